@@ -1,0 +1,40 @@
+# batchstring: `make demo` and `make test` work from a fresh clone with only python3 installed.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+INSTALLED := $(VENV)/.installed
+VERSION_DIR := model_repository/llm/1
+EXPORTED := $(VERSION_DIR)/runtime.json
+MODEL_SOURCES := $(wildcard export/default_model/*) $(wildcard export/*.py)
+
+.PHONY: install export test demo serve lint loadtest bench clean
+
+install: $(INSTALLED)
+
+$(INSTALLED): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@touch $@
+
+# Exported files are build products: re-export when the checkpoint or the exporter changes.
+export: $(EXPORTED)
+
+$(EXPORTED): $(INSTALLED) $(MODEL_SOURCES)
+	$(BIN)/batchstring export
+
+test: $(EXPORTED)
+	$(BIN)/ruff check .
+	$(BIN)/pytest
+
+demo: $(EXPORTED)
+	$(BIN)/batchstring demo
+
+serve: $(EXPORTED)
+	$(BIN)/batchstring serve --config cpu
+
+lint: $(INSTALLED)
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) results tests/logs $(addprefix $(VERSION_DIR)/,model.onnx model.onnx.data model.pt tokenizer.json runtime.json)

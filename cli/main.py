@@ -1,0 +1,86 @@
+"""The `batchstring` command: one entry point for every stage of the project.
+
+Subcommands import their implementation lazily so that `batchstring run` does not pay for
+torch, and a missing optional piece only breaks the subcommand that needs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _export(args: argparse.Namespace) -> int:
+    from export.exporter import export_model
+    from export.layout import MODEL_VERSION_DIR
+    from export.step import UnsupportedModel
+    from export.verify import VerificationError
+
+    try:
+        export_model(args.model, args.out or MODEL_VERSION_DIR)
+    except (UnsupportedModel, VerificationError) as exc:
+        print(f"batchstring export: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from export.layout import DEFAULT_MODEL_DIR
+    from export.train import train
+
+    train(args.out or DEFAULT_MODEL_DIR)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from server.serve import run
+
+    return run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from client.cli import run
+
+    return run(args)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from cli.demo import run
+
+    return run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from client.cli import add_arguments as run_arguments
+    from server.serve import add_arguments as serve_arguments
+
+    parser = argparse.ArgumentParser(prog="batchstring", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("export", help="export a HF Llama-family checkpoint to the model repository, verified")
+    p.add_argument("--model", type=Path, help="local HF checkpoint directory (default: the shipped model)")
+    p.add_argument("--out", type=Path, help="output directory (default: model_repository/llm/1)")
+    p.set_defaults(func=_export)
+
+    p = sub.add_parser("train", help="retrain the shipped default model from the Python stdlib (~10 min)")
+    p.add_argument("--out", type=Path, help="checkpoint directory (default: export/default_model)")
+    p.set_defaults(func=_train)
+
+    p = sub.add_parser("serve", help="run tritonserver on the model repository (loopback by default)")
+    serve_arguments(p)
+    p.set_defaults(func=_serve)
+
+    p = sub.add_parser("run", help="complete prompts on a running server and print the results")
+    run_arguments(p)
+    p.set_defaults(func=_run)
+
+    p = sub.add_parser("demo", help="start a local server, batch prompts from concurrent callers, show stats")
+    p.add_argument("--config", choices=("cpu", "gpu"), default="cpu")
+    p.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    sys.exit(args.func(args))

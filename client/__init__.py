@@ -1,0 +1,17 @@
+"""batchstring client: `batchstring(list[str]) -> list[str]` against the Triton `llm` model."""
+
+from client.aio import AsyncBatchClient
+from client.errors import BatchError, DeadlineExceeded, ItemError, StreamBroken
+from client.retry import RetryPolicy
+from client.sync import BatchClient, batchstring
+
+__all__ = [
+    "AsyncBatchClient",
+    "BatchClient",
+    "BatchError",
+    "DeadlineExceeded",
+    "ItemError",
+    "RetryPolicy",
+    "StreamBroken",
+    "batchstring",
+]

@@ -1,0 +1,126 @@
+"""One server endpoint: a gRPC channel and one bidirectional stream that all items share.
+
+Every item is its own Triton request with its own id; responses come back on the stream in any
+order and are routed to the waiting item by that id. When the stream breaks, every item still in
+flight on it is told so (and may be re-sent); a new stream is opened on next use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from client.errors import StreamBroken
+from client.protocol import MODEL, Piece, parse_response
+
+CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 20_000),  # notice a dead peer on an idle connection
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_receive_message_length", 64 * 2**20),
+    ("grpc.max_send_message_length", 64 * 2**20),
+]
+_DONE = object()
+
+
+class _Stream:
+    def __init__(self, stub: service_pb2_grpc.GRPCInferenceServiceStub) -> None:
+        self._outbox: asyncio.Queue = asyncio.Queue()
+        self._sinks: dict[str, asyncio.Queue] = {}
+        self.call = stub.ModelStreamInfer(self._requests())
+        self.closed = False
+        self._reader = asyncio.create_task(self._read())
+
+    async def _requests(self):
+        while (request := await self._outbox.get()) is not _DONE:
+            yield request
+
+    async def _read(self) -> None:
+        reason = "stream closed by the server"
+        try:
+            async for message in self.call:
+                piece = parse_response(message)
+                sink = self._sinks.get(piece.request_id)
+                if sink is not None:  # else: a late answer to an item that gave up; drop it
+                    sink.put_nowait(piece)
+        except grpc.aio.AioRpcError as exc:
+            reason = f"{exc.code().name}: {exc.details()}"
+        except asyncio.CancelledError:
+            reason = "stream cancelled"
+        finally:
+            self.closed = True
+            for request_id, sink in self._sinks.items():
+                sink.put_nowait(Piece(request_id, final=True, error=f"stream broken ({reason})"))
+
+    async def request(self, request: service_pb2.ModelInferRequest) -> AsyncIterator[Piece]:
+        """Sends one request and yields its responses until the final one."""
+        if self.closed:
+            raise StreamBroken("stream already closed")
+        sink: asyncio.Queue = asyncio.Queue()
+        self._sinks[request.id] = sink
+        try:
+            self._outbox.put_nowait(request)
+            while True:
+                piece = await sink.get()
+                if piece.error and piece.error.startswith("stream broken"):
+                    raise StreamBroken(piece.error)
+                yield piece
+                if piece.final:
+                    return
+        finally:
+            self._sinks.pop(request.id, None)
+
+    def cancel(self) -> None:
+        self.call.cancel()
+
+    async def close(self) -> None:
+        self._outbox.put_nowait(_DONE)
+        self.call.cancel()
+        await asyncio.gather(self._reader, return_exceptions=True)
+
+
+class Connection:
+    """A server endpoint, its health as this client sees it, and its load (outstanding items)."""
+
+    def __init__(self, url: str, credentials: grpc.ChannelCredentials | None = None) -> None:
+        self.url = url
+        if credentials is None:
+            self.channel = grpc.aio.insecure_channel(url, options=CHANNEL_OPTIONS)
+        else:
+            self.channel = grpc.aio.secure_channel(url, credentials, options=CHANNEL_OPTIONS)
+        self.stub = service_pb2_grpc.GRPCInferenceServiceStub(self.channel)
+        self.outstanding = 0
+        self.down_until = 0.0
+        self._shared: _Stream | None = None
+
+    @property
+    def healthy(self) -> bool:
+        return time.monotonic() >= self.down_until
+
+    def mark_down(self, seconds: float) -> None:
+        self.down_until = time.monotonic() + seconds
+
+    def shared_stream(self) -> _Stream:
+        if self._shared is None or self._shared.closed:
+            self._shared = _Stream(self.stub)
+        return self._shared
+
+    def private_stream(self) -> _Stream:
+        """A stream of its own: cancelling it cancels exactly its request on the server."""
+        return _Stream(self.stub)
+
+    async def model_ready(self, timeout: float = 2.0) -> bool:
+        try:
+            reply = await self.stub.ModelReady(service_pb2.ModelReadyRequest(name=MODEL), timeout=timeout)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.ready
+
+    async def close(self) -> None:
+        if self._shared is not None:
+            await self._shared.close()
+        await self.channel.close()

@@ -1,0 +1,104 @@
+"""The `llm` model's wire format: one ModelInferRequest per string, and its stream responses.
+
+Built on tritonclient's generated protobuf classes rather than its streaming helpers, because
+those turn an error response into an exception without the request id, and a multiplexed
+stream must know which item an error belongs to.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+from tritonclient.grpc import service_pb2
+from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
+
+MODEL = "llm"
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """Per-call sampling settings, sent as the `sampling_parameters` JSON."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] | None = None
+    ignore_eos: bool | None = None
+
+    def to_json(self) -> str | None:
+        values = {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items() if v is not None}
+        return json.dumps(values) if values else None
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One response: a text piece, and on the last one the finish reason and token counts."""
+
+    request_id: str
+    text: str = ""
+    final: bool = False
+    finish_reason: str = ""
+    num_input_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None
+
+
+def _bytes_input(request: service_pb2.ModelInferRequest, name: str, value: bytes) -> None:
+    request.inputs.add(name=name, datatype="BYTES", shape=[1, 1])
+    request.raw_input_contents.append(serialize_byte_tensor(np.array([[value]], dtype=np.object_)).item())
+
+
+def _bool_input(request: service_pb2.ModelInferRequest, name: str, value: bool) -> None:
+    request.inputs.add(name=name, datatype="BOOL", shape=[1, 1])
+    request.raw_input_contents.append(np.array([[value]], dtype=bool).tobytes())
+
+
+def encode_text(text: str) -> bytes:
+    if not isinstance(text, str):
+        raise TypeError(f"batchstring inputs must be str; got {type(text).__name__}")
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"input is not encodable as UTF-8 ({exc.reason} at index {exc.start}); "
+                         "remove lone surrogates or encode with errors='replace'") from None
+
+
+def build_request(request_id: str, text: bytes, options: GenerationOptions, stream: bool,
+                  queue_timeout_us: int | None = None) -> service_pb2.ModelInferRequest:
+    request = service_pb2.ModelInferRequest(model_name=MODEL, id=request_id)
+    _bytes_input(request, "text_input", text)
+    _bool_input(request, "stream", stream)
+    _bool_input(request, "exclude_input_in_output", True)
+    params = options.to_json()
+    if params:
+        _bytes_input(request, "sampling_parameters", params.encode())
+    # Reserved Triton parameter: mark the last response of each request, even an empty one.
+    request.parameters["triton_enable_empty_final_response"].bool_param = True
+    if queue_timeout_us:
+        request.parameters["timeout"].int64_param = queue_timeout_us
+    return request
+
+
+def parse_response(message: service_pb2.ModelStreamInferResponse) -> Piece:
+    response = message.infer_response
+    if message.error_message:
+        return Piece(response.id, final=True, error=message.error_message)
+    final = response.parameters["triton_final_response"].bool_param
+    values = {}
+    for tensor, raw in zip(response.outputs, response.raw_output_contents):
+        if tensor.datatype == "BYTES":
+            values[tensor.name] = deserialize_bytes_tensor(raw)[0].decode("utf-8")
+        else:
+            values[tensor.name] = int(np.frombuffer(raw, dtype=np.uint32)[0])
+    return Piece(
+        response.id,
+        text=values.get("text_output", ""),
+        final=final,
+        finish_reason=values.get("finish_reason", ""),
+        num_input_tokens=values.get("num_input_tokens", 0),
+        num_output_tokens=values.get("num_output_tokens", 0),
+    )

@@ -1,0 +1,164 @@
+"""Sampling parameters (vLLM-compatible JSON) and the per-sequence token sampler.
+
+Parameters arrive as the vLLM Triton backend receives them: a JSON object whose numbers may be
+numeric strings (genai-perf sends `"max_tokens": "16"`) and whose booleans may be "true"/"false".
+Defaults are vLLM's, so existing clients see the behaviour they expect.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.errors import InvalidRequest
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 128
+MAX_TEMPERATURE = 100.0
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0 = no limit
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _as_int(key: str, value: object, low: int, high: int, extra: str = "") -> int:
+    if isinstance(value, bool):
+        value = None
+    elif isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            value = None
+    elif isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or not low <= value <= high:
+        raise InvalidRequest(f"sampling_parameters.{key} must be an integer in [{low}, {high}]{extra}; got {value!r}")
+    return value
+
+
+def _as_float(key: str, value: object, low: float, high: float, open_low: bool = False) -> float:
+    number = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    elif isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            number = None
+    above_low = number is not None and (low < number if open_low else low <= number)
+    if not (above_low and math.isfinite(number) and number <= high):
+        bracket = "(" if open_low else "["
+        raise InvalidRequest(
+            f"sampling_parameters.{key} must be a number in {bracket}{low:g}, {high:g}]; got {value!r}"
+        )
+    return number
+
+
+def _as_bool(key: str, value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise InvalidRequest(f"sampling_parameters.{key} must be true or false; got {value!r}")
+
+
+def _as_stop(value: object) -> tuple[str, ...]:
+    items = [value] if isinstance(value, str) else value
+    if (
+        not isinstance(items, list)
+        or len(items) > MAX_STOP_STRINGS
+        or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in items)
+    ):
+        raise InvalidRequest(
+            f"sampling_parameters.stop must be a string or a list of at most {MAX_STOP_STRINGS} non-empty "
+            f"strings of at most {MAX_STOP_CHARS} characters; got {value!r}"
+        )
+    return tuple(items)
+
+
+def parse_sampling_parameters(raw: str | None, context_length: int, default_max_tokens: int) -> SamplingParams:
+    """Validates the JSON object; every error names the field and the allowed values."""
+    if raw is None or not raw.strip():
+        return SamplingParams(max_tokens=default_max_tokens)
+    try:
+        obj = json.loads(raw, parse_constant=lambda c: float(c))  # NaN/Infinity reach the range checks
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(f"sampling_parameters is not valid JSON ({exc.msg} at position {exc.pos})") from None
+    if not isinstance(obj, dict):
+        raise InvalidRequest(f"sampling_parameters must be a JSON object; got {type(obj).__name__}")
+    unknown = sorted(set(obj) - set(_PARSERS))
+    if unknown:
+        raise InvalidRequest(
+            f"unknown sampling_parameters key(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(_PARSERS)}"
+        )
+    values = {"max_tokens": default_max_tokens}
+    for key, value in obj.items():
+        values[key] = _PARSERS[key](key, value, context_length)
+    params = SamplingParams(**values)
+    if params.min_tokens > params.max_tokens:
+        raise InvalidRequest(
+            f"sampling_parameters.min_tokens ({params.min_tokens}) must not exceed max_tokens ({params.max_tokens})"
+        )
+    return params
+
+
+_PARSERS: dict[str, Callable[[str, object, int], object]] = {
+    "max_tokens": lambda k, v, ctx: _as_int(k, v, 1, ctx, f" (the model's context is {ctx} tokens)"),
+    "min_tokens": lambda k, v, ctx: _as_int(k, v, 0, ctx),
+    "temperature": lambda k, v, ctx: _as_float(k, v, 0.0, MAX_TEMPERATURE),
+    "top_p": lambda k, v, ctx: _as_float(k, v, 0.0, 1.0, open_low=True),
+    "top_k": lambda k, v, ctx: _as_int(k, v, -1, 2**31 - 1, " (-1 or 0 disables it)"),
+    "seed": lambda k, v, ctx: _as_int(k, v, 0, MAX_SEED),
+    "stop": lambda k, v, ctx: _as_stop(v),
+    "ignore_eos": lambda k, v, ctx: _as_bool(k, v),
+}
+
+
+class Sampler:
+    """Chooses the next token for one sequence; a seeded sequence is reproducible anywhere.
+
+    The random stream belongs to the sequence, so its draws do not depend on batch-mates.
+    """
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self.rng = np.random.default_rng(params.seed)
+
+    def __call__(self, logits: np.ndarray, banned: list[int]) -> int:
+        p = self.params
+        if banned:
+            logits = logits.copy()
+            logits[banned] = -np.inf
+        if p.greedy:
+            return int(np.argmax(logits))
+        scaled = logits.astype(np.float64) / p.temperature
+        if 0 < p.top_k < scaled.size:
+            kth = np.partition(scaled, -p.top_k)[-p.top_k]
+            scaled[scaled < kth] = -np.inf
+        probs = np.exp(scaled - scaled.max())
+        probs /= probs.sum()
+        if p.top_p < 1.0:
+            order = np.argsort(-probs, kind="stable")
+            cumulative = np.cumsum(probs[order])
+            keep = order[: int(np.searchsorted(cumulative, p.top_p)) + 1]
+            mask = np.zeros_like(probs)
+            mask[keep] = probs[keep]
+            probs = mask / mask.sum()
+        return int(self.rng.choice(probs.size, p=probs))

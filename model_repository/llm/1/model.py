@@ -1,0 +1,147 @@
+"""Triton adapter for the batchstring engine: requests in, responses out, nothing else.
+
+Triton's dynamic batcher hands `execute` a batch of requests. Each one is validated (a bad one
+gets its own error response and its batch-mates carry on) and submitted to the engine, which
+runs on its own thread; its outputs go back through each request's response sender (decoupled
+mode, so streaming is one response per text piece). `execute` returns as soon as the engine has
+room for the batch: while the engine is saturated, new requests wait in Triton's queue, where the
+queue policy of config.pbtxt bounds them and Triton's queue-time metrics see the saturation.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import site
+from pathlib import Path
+
+# The Python backend's embedded interpreter ignores PYTHONPATH. `batchstring serve` sets it to
+# the virtualenv holding numpy/onnxruntime/tokenizers, so honour it here, before those imports.
+# (In the Docker image they are installed system-wide and PYTHONPATH is unset.)
+for _entry in filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)):
+    site.addsitedir(_entry)
+
+import numpy as np  # noqa: E402
+import triton_python_backend_utils as pb_utils  # noqa: E402
+from metrics import MetricsPublisher  # noqa: E402
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+from engine.errors import InvalidRequest  # noqa: E402
+from engine.sampling import parse_sampling_parameters  # noqa: E402
+from engine.sequence import RequestOutput  # noqa: E402
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def _error(message: str, code: str) -> pb_utils.TritonError:
+    return pb_utils.TritonError(message, getattr(pb_utils.TritonError, code))
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise pb_utils.TritonModelException("the llm model must be decoupled (model_transaction_policy)")
+        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        gpu = args["model_instance_kind"] == "GPU"
+        engine_config = EngineConfig.from_parameters(
+            params,
+            model_dir=Path(args["model_repository"]) / args["model_version"],
+            device=f"cuda:{args['model_instance_device_id']}" if gpu else "cpu",
+        )
+        self.engine = Engine(engine_config)
+        self.engine.start()
+        self.groups = itertools.count()
+        self.metrics = MetricsPublisher(pb_utils, self.engine.stats, args["model_name"], args["model_instance_name"])
+        self.metrics.start()
+        pb_utils.Logger.log_info(
+            f"batchstring engine ready: {engine_config.runtime} on {engine_config.device}, "
+            f"{engine_config.scheduling} scheduling, KV cache {engine_config.kv_cache_tokens} tokens "
+            f"({engine_config.kv_cache_tokens * self.engine.spec.bytes_per_token / 2**20:.0f} MiB)"
+        )
+
+    def execute(self, requests: list) -> None:
+        self.engine.wait_for_room()
+        group = next(self.groups)
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                self.engine.submit(self._sequence(request, sender, group))
+            except InvalidRequest as exc:
+                sender.send(pb_utils.InferenceResponse(error=_error(str(exc), "INVALID_ARG")), flags=FINAL)
+            except Exception as exc:  # a bug must fail this request alone, never its batch-mates
+                message = f"internal error while reading the request: {type(exc).__name__}: {exc}"
+                sender.send(pb_utils.InferenceResponse(error=_error(message, "INTERNAL")), flags=FINAL)
+        return None
+
+    def _sequence(self, request, sender, group: int):
+        text = _scalar(request, "text_input")
+        if text is None:
+            raise InvalidRequest("text_input is required: a BYTES tensor of shape [1, 1] holding UTF-8 text")
+        try:
+            prompt = text.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidRequest(
+                f"text_input is not valid UTF-8 (byte 0x{text[exc.start]:02x} at offset {exc.start}); "
+                "send UTF-8 encoded text"
+            ) from None
+        raw_params = _scalar(request, "sampling_parameters")
+        try:
+            params_text = None if raw_params is None else raw_params.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidRequest("sampling_parameters is not valid UTF-8; send a UTF-8 JSON object") from None
+        cfg = self.engine.config
+        params = parse_sampling_parameters(params_text, self.engine.spec.context_length, cfg.default_max_tokens)
+        stream = bool(_scalar(request, "stream") or False)
+        include_input = not bool(_scalar(request, "exclude_input_in_output") or False)
+        return self.engine.make_sequence(
+            prompt,
+            params,
+            _Sink(sender),
+            request_id=request.request_id() or None,
+            stream=stream,
+            include_input=include_input,
+            group=group,
+            is_cancelled=sender.is_cancelled,
+        )
+
+    def finalize(self) -> None:
+        self.engine.stop()
+        self.metrics.stop()
+
+
+def _scalar(request, name: str):
+    """The single element of an optional [1, 1] input, or None when it was not sent."""
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return None
+    array = tensor.as_numpy()
+    if array.size != 1:
+        raise InvalidRequest(
+            f"{name} has shape {list(array.shape)}; send one string per request "
+            "(shape [1, 1]: batch size 1) and let the server batch requests"
+        )
+    return array.reshape(-1)[0]
+
+
+class _Sink:
+    """Turns engine outputs into Triton responses for one request."""
+
+    def __init__(self, sender) -> None:
+        self.sender = sender
+
+    def __call__(self, out: RequestOutput) -> None:
+        flags = FINAL if out.finished else 0
+        if out.error:
+            code = "UNAVAILABLE" if out.finish_reason == "abort" else "INTERNAL"
+            response = pb_utils.InferenceResponse(error=_error(out.error, code))
+        else:
+            response = pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor("text_output", np.array([[out.text.encode("utf-8")]], dtype=np.object_)),
+                pb_utils.Tensor("finish_reason", np.array([[(out.finish_reason or "").encode()]], dtype=np.object_)),
+                pb_utils.Tensor("num_input_tokens", np.array([[out.num_input_tokens]], dtype=np.uint32)),
+                pb_utils.Tensor("num_output_tokens", np.array([[out.num_output_tokens]], dtype=np.uint32)),
+            ])
+        self.sender.send(response, flags=flags)

@@ -1,0 +1,177 @@
+"""Starts, probes and stops one local tritonserver process on this repository."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from export.layout import MODEL_VERSION_DIR, missing_artifacts
+from server.repository import MODEL, ConfigEdit, write_overlay
+from server.triton import DEFAULT_REPOSITORY, EXIT_TIMEOUT_SECS, TLS, Ports, ServerCommand, TritonInstall
+
+STUB_NAME = "triton_python_backend_stub"
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+def free_ports(count: int = 3) -> list[int]:
+    """Ports the OS says are free now (held open together so they are distinct)."""
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@dataclass
+class LocalServer:
+    """A tritonserver child process. `config` is "cpu" or "gpu"; `params`/`edit` make an overlay."""
+
+    config: str = "cpu"
+    ports: Ports | None = None
+    host: str = "127.0.0.1"
+    repository: Path = DEFAULT_REPOSITORY
+    params: dict[str, str] = field(default_factory=dict)
+    edit: ConfigEdit | None = None
+    tls: TLS | None = None
+    ready_timeout: float = 180.0
+    log_path: Path | None = None
+    process: subprocess.Popen | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if self.config not in ("cpu", "gpu"):
+            raise ValueError(f"config must be 'cpu' or 'gpu'; got {self.config!r}")
+        self.ports = self.ports or Ports(*free_ports())
+        self._workdir = Path(tempfile.mkdtemp(prefix="batchstring-server-"))
+        self.log_path = self.log_path or self._workdir / "tritonserver.log"
+        self.started_at = 0.0
+
+    # ----- addresses ---------------------------------------------------------------------------
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.ports.grpc}"
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.host}:{self.ports.http}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.ports.metrics}/metrics"
+
+    # ----- lifecycle ---------------------------------------------------------------------------
+
+    def command(self, install: TritonInstall) -> ServerCommand:
+        config_name = "cpu" if self.config == "cpu" else None
+        repository = self.repository
+        if self.params or self.edit:
+            overlay = self._workdir / "repository"
+            if not overlay.exists():
+                write_overlay(overlay, self.repository, config_name, self.params, self.edit)
+            repository, config_name = overlay, None
+        return ServerCommand(repository=repository, backend_dir=install.make_backend_dir(self._workdir),
+                             ports=self.ports, host=self.host, config_name=config_name, tls=self.tls)
+
+    def start(self) -> LocalServer:
+        missing = missing_artifacts(self.repository / MODEL / MODEL_VERSION_DIR.name)
+        if missing:
+            raise ServerError(f"model files missing from the repository ({', '.join(missing)}); "
+                              "run `batchstring export` first")
+        install = TritonInstall.find()
+        argv = self.command(install).argv(install.binary)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
+        self.process = subprocess.Popen(argv, env=install.environment(), stdout=log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+        self.started_at = time.monotonic()
+        self.wait_ready()
+        return self
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerError(f"tritonserver exited with code {self.process.returncode}:\n{self.log_tail()}")
+            if self.model_ready():
+                return
+            time.sleep(0.2)
+        self.stop()
+        raise ServerError(f"model not ready after {self.ready_timeout:.0f} s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        """SIGTERM (Triton drains and unloads), then SIGKILL the whole process group if it lingers."""
+        proc, self.process = self.process, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=EXIT_TIMEOUT_SECS + 5)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # stubs share the group; none may outlive the server
+        proc.wait()
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self._workdir, ignore_errors=True)
+
+    def __enter__(self) -> LocalServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ----- probes ------------------------------------------------------------------------------
+
+    def model_ready(self, timeout: float = 1.0) -> bool:
+        """`/v2/models/llm/ready`: unlike `/v2/health/ready` it goes false when the model is down."""
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/models/{MODEL}/ready", timeout=timeout) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def stub_processes(self) -> list[psutil.Process]:
+        """The Python backend's stub processes (one per model instance)."""
+        if self.process is None:
+            return []
+        try:
+            children = psutil.Process(self.process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+        return [c for c in children if _is_stub(c)]
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+def _is_stub(proc: psutil.Process) -> bool:
+    try:
+        return STUB_NAME in " ".join(proc.cmdline()) and proc.status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False

@@ -1,0 +1,79 @@
+"""`batchstring serve`: a real tritonserver on this repository, supervised until Ctrl-C/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from server.local import LocalServer, ServerError
+from server.repository import parameters
+from server.supervisor import Supervisor
+from server.triton import DEFAULT_REPOSITORY, TLS, Ports, TritonNotFound
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", choices=("cpu", "gpu"), default="cpu",
+                   help="cpu: configs/cpu.pbtxt (KIND_CPU); gpu: config.pbtxt (KIND_GPU)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY, help="model repository")
+    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                   help="override an engine parameter of config.pbtxt (repeatable)")
+    p.add_argument("--tls-cert", type=Path, help="PEM certificate: serve gRPC over TLS")
+    p.add_argument("--tls-key", type=Path, help="PEM private key for --tls-cert")
+    p.add_argument("--no-supervise", action="store_true", help="do not restart a dead model")
+    p.add_argument("--log", type=Path, help="tritonserver log file (default: a temporary file)")
+
+
+def parse_params(items: list[str]) -> dict[str, str]:
+    params = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--param expects KEY=VALUE; got {item!r}")
+        params[key] = value
+    return params
+
+
+def run(args: argparse.Namespace) -> int:
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise SystemExit("--tls-cert and --tls-key go together")
+    tls = TLS(args.tls_cert, args.tls_key) if args.tls_cert else None
+    server = LocalServer(config=args.config, host=args.host, repository=args.repository, tls=tls,
+                         ports=Ports(args.http_port, args.grpc_port, args.metrics_port),
+                         params=parse_params(args.param), log_path=args.log)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        server.start()
+    except (ServerError, TritonNotFound, ValueError) as exc:
+        print(f"batchstring serve: {exc}", file=sys.stderr)
+        server.close()
+        return 1
+    print(banner(server), flush=True)
+    try:
+        if args.no_supervise:
+            stop.wait()
+        else:
+            Supervisor(server, report=lambda line: print(line, flush=True)).run(stop)
+    finally:
+        server.close()
+        print("batchstring: stopped", flush=True)
+    return 0
+
+
+def banner(server: LocalServer) -> str:
+    from server.repository import load_config
+
+    config = load_config(server.repository, "cpu" if server.config == "cpu" else None)
+    engine = {**parameters(config), **server.params}
+    scheme = "grpcs" if server.tls else "grpc"
+    return (f"batchstring: llm ready ({server.config}, {engine['runtime']}, {engine['scheduling']}) | "
+            f"{scheme} {server.grpc_url} | http {server.http_url} | metrics {server.metrics_url} | "
+            f"log {server.log_path} | Ctrl-C to stop")

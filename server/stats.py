@@ -1,0 +1,57 @@
+"""What the server did: Triton's own statistics API and the engine's Prometheus metrics."""
+
+from __future__ import annotations
+
+import urllib.request
+from dataclasses import dataclass
+
+from tritonclient.grpc import InferenceServerClient
+
+from server.repository import MODEL
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    """Cumulative since the server started; subtract two snapshots for an interval."""
+
+    requests: int  # requests that reached execute()
+    executions: int  # execute() calls, i.e. batches formed by Triton's dynamic batcher
+    queue_ns: int  # total time requests waited in Triton's queue
+
+    @property
+    def average_batch(self) -> float:
+        return self.requests / self.executions if self.executions else 0.0
+
+    @property
+    def average_queue_ms(self) -> float:
+        return self.queue_ns / self.requests / 1e6 if self.requests else 0.0
+
+    def __sub__(self, other: BatchStats) -> BatchStats:
+        return BatchStats(self.requests - other.requests, self.executions - other.executions,
+                          self.queue_ns - other.queue_ns)
+
+
+def batch_stats(grpc_url: str) -> BatchStats:
+    client = InferenceServerClient(grpc_url)
+    try:
+        stats = client.get_inference_statistics(model_name=MODEL).model_stats[0]
+    finally:
+        client.close()
+    return BatchStats(stats.inference_count, stats.execution_count, stats.inference_stats.queue.ns)
+
+
+def metrics(metrics_url: str) -> dict[str, float]:
+    """Prometheus text format, summed over labels: {"batchstring_steps_total": 123.0, ...}."""
+    with urllib.request.urlopen(metrics_url, timeout=5) as response:
+        text = response.read().decode()
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name = name_labels.split("{", 1)[0]
+        try:
+            totals[name] = totals.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return totals

@@ -1,0 +1,63 @@
+"""Keeps a local tritonserver serving: restarts it when the model is dead.
+
+Triton 2.51 does not restart a crashed Python stub, and `/v2/health/ready` stays 200 while the
+model is gone. So the supervisor watches what matters: the server process, the stub process,
+and `/v2/models/llm/ready`. A vanished process means restart now; a model that stays unready
+for a few probes in a row (not one slow probe) means restart too.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from server.local import LocalServer, ServerError
+
+
+@dataclass
+class Supervisor:
+    server: LocalServer
+    interval: float = 1.0
+    unready_probes: int = 3
+    report: Callable[[str], None] = print
+    restarts: int = 0
+
+    def problem(self) -> tuple[str, bool] | None:
+        """What is wrong, and whether it is certain (restart at once) or may pass."""
+        proc = self.server.process
+        if proc is None or proc.poll() is not None:
+            return f"tritonserver exited (code {None if proc is None else proc.returncode})", True
+        if not self.server.stub_processes():
+            return "the model's Python stub process is gone", True
+        if not self.server.model_ready():
+            return "model not ready", False
+        return None
+
+    def run(self, stop: threading.Event) -> None:
+        unready = 0
+        while not stop.wait(self.interval):
+            found = self.problem()
+            if found is None:
+                unready = 0
+                continue
+            reason, certain = found
+            unready += 1
+            if certain or unready >= self.unready_probes:
+                self._restart(reason, stop)
+                unready = 0
+
+    def _restart(self, reason: str, stop: threading.Event) -> None:
+        started = time.monotonic()
+        self.report(f"batchstring: {reason}; restarting tritonserver")
+        while not stop.is_set():
+            try:
+                self.server.restart()
+            except ServerError as exc:
+                self.report(f"batchstring: restart failed, retrying in 5 s: {exc}")
+                stop.wait(5)
+                continue
+            self.restarts += 1
+            self.report(f"batchstring: serving again after {time.monotonic() - started:.1f} s")
+            return

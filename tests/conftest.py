@@ -1,0 +1,62 @@
+"""Shared fixtures: the exported default model, in-process engines, and real tritonservers."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from export.layout import MODEL_VERSION_DIR, missing_artifacts
+
+LOG_DIR = Path(__file__).parent / "logs"
+FAULT_MARKER = "<<poison>>"
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    """The exported default model (`make test` exports it first; exported here if missing)."""
+    if missing_artifacts(MODEL_VERSION_DIR):
+        from export.exporter import export_model
+
+        export_model()
+    return MODEL_VERSION_DIR
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed:
+        item.session.batchstring_failed = True
+    return report
+
+
+def start_server(request: pytest.FixtureRequest, name: str, **kwargs):
+    """A LocalServer whose log is kept under tests/logs/ if anything in the session failed."""
+    from server.local import LocalServer
+
+    server = LocalServer(**kwargs).start()
+
+    def keep_log() -> None:
+        if getattr(request.session, "batchstring_failed", False) and server.log_path.exists():
+            LOG_DIR.mkdir(exist_ok=True)
+            shutil.copyfile(server.log_path, LOG_DIR / f"{name}.log")
+        server.close()
+
+    request.addfinalizer(keep_log)
+    return server
+
+
+@pytest.fixture(scope="session")
+def server(request, model_dir):
+    """The CPU config as shipped, plus the test-only fault marker."""
+    return start_server(request, "cpu", config="cpu", params={"fault_marker": FAULT_MARKER})
+
+
+@pytest.fixture(scope="session")
+def client(server) -> Iterator:
+    from client import BatchClient
+
+    with BatchClient(server.grpc_url) as c:
+        yield c

@@ -1,0 +1,164 @@
+"""The continuous-batching engine in-process, on the real exported default model."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.errors import InvalidRequest
+from engine.sampling import SamplingParams
+from engine.sequence import Status
+from tests.engine_helpers import GREEDY, Collector, alone, engine, varied_prompts
+
+POISON = "<<poison>>"
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return varied_prompts(40)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, prompts):
+    return alone(engine(model_dir), prompts)
+
+
+def interleave(eng, prompts, params=GREEDY, every: int = 2, per_wave: int = 5, **kwargs):
+    """Submits prompts in waves while earlier ones are mid-generation (different positions)."""
+    sink = Collector()
+    seqs = [eng.make_sequence(p, params, sink, **kwargs) for p in prompts]
+    pending = list(seqs)
+    step = 0
+    while pending or any(not s.finished for s in seqs):
+        if step % every == 0:
+            for s in pending[:per_wave]:
+                eng.scheduler.add(s)
+            pending = pending[per_wave:]
+        eng.step()
+        step += 1
+    return seqs, sink
+
+
+def test_greedy_output_is_batch_invariant_when_interleaved(model_dir, prompts, reference):
+    eng = engine(model_dir)
+    seqs, _ = interleave(eng, prompts)
+    mismatched = [i for i, s in enumerate(seqs) if s.output_ids != reference[i]]
+    assert not mismatched, f"prompts {mismatched} differ from their solo run"
+    assert max(eng.stats.step_sizes) >= 20, "the test must really batch many sequences together"
+
+
+def test_static_scheduling_gives_the_same_tokens(model_dir, prompts, reference):
+    eng = engine(model_dir, scheduling="static")
+    sink = Collector()
+    seqs = [eng.make_sequence(p, GREEDY, sink, group=i // 16) for i, p in enumerate(prompts)]
+    eng.generate(seqs)
+    assert [s.output_ids for s in seqs] == reference
+    assert max(eng.stats.step_sizes) == 16
+
+
+def test_preemption_under_a_small_cache_recomputes_and_keeps_outputs(model_dir, prompts, reference):
+    eng = engine(model_dir, kv_cache_tokens=1024, block_size=16)
+    seqs, _ = interleave(eng, prompts, per_wave=10)
+    assert eng.stats.preemptions > 0, "the cache was meant to be too small for all sequences"
+    assert [s.output_ids for s in seqs] == reference
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
+def test_streamed_pieces_concatenate_to_the_non_streamed_text(model_dir, prompts):
+    eng = engine(model_dir)
+    params = SamplingParams(max_tokens=40, temperature=0.0, stop=(")\n", "  return"))
+    streamed, s_sink = interleave(eng, prompts[:12], params, stream=True)
+    whole, w_sink = interleave(eng, prompts[:12], params, stream=False)
+    for a, b in zip(streamed, whole):
+        assert len(s_sink.outputs[a.request_id]) >= 1 and len(w_sink.outputs[b.request_id]) == 1
+        assert s_sink.text(a) == w_sink.text(b)
+        assert s_sink.final(a).finish_reason == w_sink.final(b).finish_reason
+    reasons = {w_sink.final(b).finish_reason for b in whole}
+    assert "stop" in reasons, "some prompt should hit a stop string"
+
+
+def test_stop_strings_are_cut_and_never_streamed(model_dir, prompts):
+    eng = engine(model_dir)
+    params = SamplingParams(max_tokens=60, temperature=0.0, stop=("self",))
+    seqs, sink = interleave(eng, prompts[:10], params, stream=True)
+    for s in seqs:
+        assert "self" not in sink.text(s)
+        if sink.final(s).finish_reason == "stop":
+            assert len(s.output_ids) < 60
+
+
+def test_finish_reasons_and_token_counts(model_dir):
+    eng = engine(model_dir)
+    sink = Collector()
+    s = eng.make_sequence("def ", SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), sink)
+    eng.generate([s])
+    out = sink.final(s)
+    assert (out.finish_reason, out.num_output_tokens, out.num_input_tokens) == ("length", 5, len(s.prompt_ids))
+
+
+def test_include_input_prefixes_the_prompt_once(model_dir):
+    eng = engine(model_dir)
+    for stream in (False, True):
+        sink = Collector()
+        s = eng.make_sequence("import os\n", GREEDY, sink, stream=stream, include_input=True)
+        eng.generate([s])
+        assert sink.text(s) == "import os\n" + s.text
+
+
+def test_one_poisoned_request_fails_alone_and_the_others_complete(model_dir, prompts, reference):
+    eng = engine(model_dir, fault_marker=POISON)
+    sink = Collector()
+    batch = [*prompts[:15], prompts[15] + POISON]
+    seqs = [eng.make_sequence(p, GREEDY, sink) for p in batch]
+    eng.generate(seqs)
+    finals = [sink.final(s) for s in seqs]
+    assert [f.finish_reason for f in finals].count("error") == 1
+    assert finals[-1].finish_reason == "error" and "out of memory" in finals[-1].error
+    assert [s.output_ids for s in seqs[:15]] == reference[:15]
+    assert eng.stats.failures_isolated == 1 and eng.stats.oom_events >= 1
+    assert eng.scheduler.step_cap < eng.config.max_num_seqs, "after an OOM the step size is lowered"
+
+
+def test_cancelled_request_stops_within_one_iteration_and_frees_its_cache(model_dir):
+    eng = engine(model_dir)
+    sink = Collector()
+    cancelled = {"flag": False}
+    s = eng.make_sequence("def ", SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True), sink,
+                          is_cancelled=lambda: cancelled["flag"])
+    eng.scheduler.add(s)
+    for _ in range(5):
+        eng.step()
+    assert s.status is Status.RUNNING and eng.blocks.num_free < eng.blocks.num_blocks
+    cancelled["flag"] = True
+    eng.step()
+    assert s.finished and sink.final(s).finish_reason == "abort"
+    assert eng.blocks.num_free == eng.blocks.num_blocks and eng.stats.cancelled == 1
+
+
+def test_cache_is_preallocated_once(model_dir, prompts):
+    eng = engine(model_dir)
+    keys, values = eng.runner.keys, eng.runner.values
+    pointer = keys.__array_interface__["data"][0]
+    interleave(eng, prompts[:20])
+    assert eng.runner.keys is keys and eng.runner.values is values
+    assert keys.__array_interface__["data"][0] == pointer
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "message"),
+    [
+        ("", GREEDY, "empty"),
+        ("x" * 20000, GREEDY, "at most 16384 bytes"),
+        ("word " * 400, SamplingParams(max_tokens=200), "must be at most 512"),
+        ("bad \ud800", GREEDY, "lone surrogate"),
+    ],
+)
+def test_requests_beyond_the_limits_are_refused_before_they_run(model_dir, prompt, params, message):
+    eng = engine(model_dir)
+    with pytest.raises(InvalidRequest, match=message):
+        eng.make_sequence(prompt, params, lambda o: None)
+
+
+def test_torchscript_runtime_generates_the_same_greedy_tokens(model_dir, prompts, reference):
+    eng = engine(model_dir, runtime="torchscript")
+    seqs, _ = interleave(eng, prompts[:16])
+    assert [s.output_ids for s in seqs] == reference[:16]

@@ -1,0 +1,114 @@
+"""Export round trip on a tiny random Llama (the path users take with their own checkpoints)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from export.step import DecoderStep, UnsupportedModel, check_supported
+from export.verify import VerificationError
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory, model_dir):
+    """2 layers, hidden 64, grouped-query attention (4 query heads, 2 kv heads), random weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         eos_token_id=0, bos_token_id=0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json")).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def exported_tiny(tiny_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny-export")
+    result = subprocess.run([sys.executable, "-m", "cli", "export", "--model", str(tiny_checkpoint), "--out", str(out)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return out, result.stdout
+
+
+def test_export_writes_the_repository_files_and_prints_the_table(exported_tiny):
+    out, stdout = exported_tiny
+    assert {p.name for p in out.iterdir()} == {"model.onnx", "model.pt", "tokenizer.json", "runtime.json"}
+    spec = json.loads((out / "runtime.json").read_text())
+    assert (spec["num_layers"], spec["num_kv_heads"], spec["head_dim"], spec["context_length"]) == (2, 2, 16, 256)
+    assert "max |Δ|" in stdout and "greedy 32 tokens" in stdout and "exported and verified" in stdout
+
+
+def test_dynamic_axes_are_really_dynamic(exported_tiny, tiny_checkpoint):
+    import onnxruntime as ort
+    from transformers import AutoModelForCausalLM
+
+    out, _ = exported_tiny
+    session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
+    step = DecoderStep(AutoModelForCausalLM.from_pretrained(tiny_checkpoint, attn_implementation="eager")).eval()
+    rng = np.random.default_rng(0)
+    b, s, p = 5, 3, 33  # shapes never seen at export time
+    feeds = {
+        "input_ids": rng.integers(0, 4096, (b, s)),
+        "position_ids": np.tile(np.arange(p, p + s), (b, 1)),
+        "attention_mask": np.ones((b, p + s), bool),
+        "past_keys": rng.standard_normal((2, b, p, 2, 16)).astype(np.float32),
+        "past_values": rng.standard_normal((2, b, p, 2, 16)).astype(np.float32),
+    }
+    logits, new_k, _ = session.run(None, feeds)
+    with torch.no_grad():
+        ref = step(*(torch.from_numpy(v) for v in feeds.values()))[0].numpy()
+    assert logits.shape == (5, 4096) and new_k.shape == (2, 5, 3, 2, 16)
+    assert np.abs(logits - ref).max() < 1e-4
+
+
+def test_verification_catches_perturbed_weights(tiny_checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    from export.exporter import _eager, report
+    from export.verify import verify_logits
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, attn_implementation="eager").eval()
+    perturbed = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, attn_implementation="eager").eval()
+    with torch.no_grad():
+        perturbed.model.layers[1].mlp.down_proj.weight.add_(1e-2)
+    cases = verify_logits(reference, {"perturbed step": _eager(DecoderStep(perturbed).eval())})
+    with pytest.raises(VerificationError, match="does not match"):
+        report(_NullConsole(), cases, {"def ": {"perturbed step": True}})
+
+
+def test_unsupported_architectures_are_refused_with_the_reason(tmp_path):
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    command = [sys.executable, "-m", "cli", "export", "--model", str(tmp_path), "--out", str(tmp_path / "o")]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert "'gpt2' is not supported" in out.stderr and "llama" in out.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_sliding_window_and_dynamic_rope_are_refused():
+    from transformers import LlamaConfig, MistralConfig
+
+    with pytest.raises(UnsupportedModel, match="sliding-window"):
+        check_supported(MistralConfig(sliding_window=128, max_position_embeddings=4096))
+    cfg = LlamaConfig(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    with pytest.raises(UnsupportedModel, match="dynamic"):
+        check_supported(cfg)
+
+
+class _NullConsole:
+    def print(self, *args, **kwargs) -> None:
+        pass
+
+    def status(self, *args, **kwargs):
+        raise AssertionError("not used")

@@ -51,8 +51,15 @@ def _demo(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _engine_bench(args: argparse.Namespace) -> int:
+    from loadtest.engine_bench import main as bench
+
+    return bench(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from client.cli import add_arguments as run_arguments
+    from loadtest.engine_bench import add_arguments as engine_bench_arguments
     from server.serve import add_arguments as serve_arguments
 
     parser = argparse.ArgumentParser(prog="batchstring", description=__doc__.splitlines()[0])
@@ -78,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="start a local server, batch prompts from concurrent callers, show stats")
     p.add_argument("--config", choices=("cpu", "gpu"), default="cpu")
     p.set_defaults(func=_demo)
+
+    p = sub.add_parser("engine-bench", help="in-process engine: static vs continuous, and the runner ceiling")
+    engine_bench_arguments(p)
+    p.set_defaults(func=_engine_bench)
     return parser
 
 

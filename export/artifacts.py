@@ -14,15 +14,17 @@ from torch.export import Dim
 
 from export.step import DecoderStep
 
-INPUT_NAMES = ("input_ids", "position_ids", "attention_mask", "past_keys", "past_values")
+INPUT_NAMES = ("input_ids", "position_ids", "attention_mask", "past_slots", "key_cache", "value_cache")
 OUTPUT_NAMES = ("logits", "new_keys", "new_values")
 
 
-def example_inputs(step: DecoderStep, batch: int = 2, seq: int = 3, past: int = 5) -> tuple[torch.Tensor, ...]:
+def example_inputs(step: DecoderStep, batch: int = 2, seq: int = 3, past: int = 5,
+                   slots: int = 7) -> tuple[torch.Tensor, ...]:
     """Shapes with every dynamic axis distinct and > 1, so the exporter cannot specialise them."""
-    kv = torch.zeros(len(step.layers), batch, past, step.num_kv_heads, step.head_dim)
+    cache = torch.zeros(len(step.layers), step.num_kv_heads, slots, step.head_dim)
     ids = torch.zeros(batch, seq, dtype=torch.long)
-    return ids, ids.clone(), torch.ones(batch, past + seq, dtype=torch.bool), kv, kv.clone()
+    past_slots = torch.arange(batch * past).reshape(batch, past) % slots
+    return ids, ids.clone(), torch.ones(batch, past + seq, dtype=torch.bool), past_slots, cache, cache.clone()
 
 
 @contextlib.contextmanager
@@ -35,14 +37,14 @@ def quiet():
 
 
 def write_onnx(step: DecoderStep, path: Path) -> None:
-    batch, seq, past, total = Dim("batch"), Dim("seq"), Dim("past"), Dim("total")
-    kv_axes = {1: batch, 2: past}
+    batch, seq, past, total, slots = Dim("batch"), Dim("seq"), Dim("past"), Dim("total"), Dim("cache_slots")
     dynamic = {
         "input_ids": {0: batch, 1: seq},
         "position_ids": {0: batch, 1: seq},
         "attention_mask": {0: batch, 1: total},
-        "past_keys": kv_axes,
-        "past_values": kv_axes,
+        "past_slots": {0: batch, 1: past},
+        "key_cache": {2: slots},
+        "value_cache": {2: slots},
     }
     with quiet():
         torch.onnx.export(

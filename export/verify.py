@@ -40,39 +40,46 @@ class Case:
 
     feeds: dict[str, np.ndarray]
     ref_logits: np.ndarray
-    ref_new_kv: list[tuple[np.ndarray, np.ndarray]]  # per row: keys/values of its real new tokens
+    ref_new_kv: list[tuple[np.ndarray, np.ndarray]]  # per row: [L, H, s, D] keys/values of its new tokens
     new_lens: list[int]
 
 
 def make_case(hf_model, batch: int, past: int, rng: np.random.Generator) -> Case:
+    """Rows of different lengths; their cached K/V (from HF's own cache) sit at shuffled cache
+    slots among garbage slots, so the test also covers the slot indirection and the masks."""
     cfg = hf_model.config
     layers, heads = cfg.num_hidden_layers, cfg.num_key_value_heads
     head_dim = hf_model.model.layers[0].self_attn.head_dim
     past_lens = [past - (i * 7) % (past + 1) for i in range(batch)]
     new_lens = [max(1, NEW_TOKENS - i % 3) for i in range(batch)]
+    num_slots = sum(past_lens) + 11
+    order = rng.permutation(num_slots)
+    key_cache = rng.standard_normal((layers, heads, num_slots, head_dim)).astype(np.float32)
+    value_cache = rng.standard_normal((layers, heads, num_slots, head_dim)).astype(np.float32)
     ids = np.zeros((batch, NEW_TOKENS), np.int64)
     pos = np.zeros((batch, NEW_TOKENS), np.int64)
     mask = np.zeros((batch, past + NEW_TOKENS), bool)
-    pk = np.zeros((layers, batch, past, heads, head_dim), np.float32)
-    pv = np.zeros_like(pk)
-    ref_logits, ref_kv = [], []
+    past_slots = np.full((batch, past), num_slots - 1, np.int64)  # padding points at a garbage slot
+    ref_logits, ref_kv, used = [], [], 0
     for i, (p, s) in enumerate(zip(past_lens, new_lens)):
         row = torch.from_numpy(rng.integers(0, cfg.vocab_size, size=p + s))
         with torch.no_grad():
             full = hf_model(input_ids=row[None], use_cache=True)
         ref_logits.append(full.logits[0, -1].float().numpy())
-        keys = [layer.keys[0].transpose(0, 1).float().numpy() for layer in full.past_key_values.layers]
-        values = [layer.values[0].transpose(0, 1).float().numpy() for layer in full.past_key_values.layers]
-        for layer in range(layers):
-            pk[layer, i, :p] = keys[layer][:p]
-            pv[layer, i, :p] = values[layer][:p]
-            pk[layer, i, p:] = rng.standard_normal(pk[layer, i, p:].shape)  # garbage behind the mask
-        ref_kv.append((np.stack([k[p:] for k in keys]), np.stack([v[p:] for v in values])))
+        keys = np.stack([layer.keys[0].float().numpy() for layer in full.past_key_values.layers])  # [L,H,T,D]
+        values = np.stack([layer.values[0].float().numpy() for layer in full.past_key_values.layers])
+        slots = order[used : used + p]
+        used += p
+        key_cache[:, :, slots] = keys[:, :, :p]
+        value_cache[:, :, slots] = values[:, :, :p]
+        past_slots[i, :p] = slots
+        ref_kv.append((keys[:, :, p:], values[:, :, p:]))
         ids[i, NEW_TOKENS - s :] = row[p:].numpy()
         pos[i, NEW_TOKENS - s :] = np.arange(p, p + s)
         mask[i, :p] = True
         mask[i, past + NEW_TOKENS - s :] = True
-    feeds = {"input_ids": ids, "position_ids": pos, "attention_mask": mask, "past_keys": pk, "past_values": pv}
+    feeds = {"input_ids": ids, "position_ids": pos, "attention_mask": mask, "past_slots": past_slots,
+             "key_cache": key_cache, "value_cache": value_cache}
     return Case(feeds, np.stack(ref_logits), ref_kv, new_lens)
 
 
@@ -81,7 +88,8 @@ def case_error(case: Case, run: StepFn) -> float:
     err = float(np.abs(logits - case.ref_logits).max())
     for i, s in enumerate(case.new_lens):
         ref_k, ref_v = case.ref_new_kv[i]
-        err = max(err, float(np.abs(new_k[:, i, -s:] - ref_k).max()), float(np.abs(new_v[:, i, -s:] - ref_v).max()))
+        err = max(err, float(np.abs(new_k[:, :, i, -s:] - ref_k).max()),
+                  float(np.abs(new_v[:, :, i, -s:] - ref_v).max()))
     return err
 
 
@@ -103,24 +111,29 @@ def greedy_with_step(
     `suppress` (the EOS ids) is masked as HF's `min_new_tokens` does, so both run full length.
     """
     layers, heads, head_dim = kv_shape
-    past_k = past_v = np.zeros((layers, 1, 0, heads, head_dim), np.float32)
-    ids, out = list(prompt_ids), []
-    feed = np.asarray([ids], np.int64)
+    total = len(prompt_ids) + new_tokens
+    key_cache = np.zeros((layers, heads, total, head_dim), np.float32)
+    value_cache = np.zeros_like(key_cache)
+    out: list[int] = []
+    feed, n_past = list(prompt_ids), 0
     for _ in range(new_tokens):
-        n_past = past_k.shape[2]
+        s = len(feed)
         logits, k, v = run(
-            input_ids=feed,
-            position_ids=np.arange(n_past, n_past + feed.shape[1], dtype=np.int64)[None],
-            attention_mask=np.ones((1, n_past + feed.shape[1]), bool),
-            past_keys=past_k,
-            past_values=past_v,
+            input_ids=np.asarray([feed], np.int64),
+            position_ids=np.arange(n_past, n_past + s, dtype=np.int64)[None],
+            attention_mask=np.ones((1, n_past + s), bool),
+            past_slots=np.arange(n_past, dtype=np.int64)[None],
+            key_cache=key_cache,
+            value_cache=value_cache,
         )
-        past_k, past_v = np.concatenate([past_k, k], 2), np.concatenate([past_v, v], 2)
+        key_cache[:, :, n_past : n_past + s] = k[:, :, 0]
+        value_cache[:, :, n_past : n_past + s] = v[:, :, 0]
+        n_past += s
         scores = logits[0].copy()
         scores[suppress] = -np.inf
         token = int(np.argmax(scores))
         out.append(token)
-        feed = np.asarray([[token]], np.int64)
+        feed = [token]
     return out
 
 

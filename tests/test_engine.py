@@ -46,13 +46,28 @@ def test_greedy_output_is_batch_invariant_when_interleaved(model_dir, prompts, r
     assert max(eng.stats.step_sizes) >= 20, "the test must really batch many sequences together"
 
 
-def test_static_scheduling_gives_the_same_tokens(model_dir, prompts, reference):
+def test_static_scheduling_gives_the_same_tokens_and_answers_each_batch_together(model_dir, prompts, reference):
     eng = engine(model_dir, scheduling="static")
     sink = Collector()
-    seqs = [eng.make_sequence(p, GREEDY, sink, group=i // 16) for i, p in enumerate(prompts)]
-    eng.generate(seqs)
-    assert [s.output_ids for s in seqs] == reference
-    assert max(eng.stats.step_sizes) == 16
+    params = [SamplingParams(max_tokens=4 + i % 20, temperature=0.0, ignore_eos=True) for i in range(len(prompts))]
+    seqs = [eng.make_sequence(p, params[i], sink, group=i // 16) for i, p in enumerate(prompts)]
+    answered_at: dict[str, int] = {}
+    for s in seqs:
+        eng.scheduler.add(s)
+    while any(not s.finished for s in seqs):
+        eng.step()
+        for s in seqs:
+            if s.request_id in sink.outputs:
+                answered_at.setdefault(s.request_id, eng.stats.steps)
+    for i, s in enumerate(seqs):
+        final = sink.final(s)
+        assert final.num_output_tokens == params[i].max_tokens
+        assert s.output_ids[: final.num_output_tokens] == reference[i][: final.num_output_tokens]
+    for group in range(3):
+        steps = {answered_at[s.request_id] for s in seqs[group * 16 : (group + 1) * 16]}
+        assert len(steps) == 1, "a static batch answers all its requests together"
+    # batches of 16, 16 and 8 whose longest want 19, 23 and 23 tokens: one step per token, all rows
+    assert eng.stats.step_sizes == {16: 19 + 23, 8: 23}, "rows stay in the batch until the longest is done"
 
 
 def test_preemption_under_a_small_cache_recomputes_and_keeps_outputs(model_dir, prompts, reference):

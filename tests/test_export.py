@@ -54,18 +54,19 @@ def test_dynamic_axes_are_really_dynamic(exported_tiny, tiny_checkpoint):
     session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
     step = DecoderStep(AutoModelForCausalLM.from_pretrained(tiny_checkpoint, attn_implementation="eager")).eval()
     rng = np.random.default_rng(0)
-    b, s, p = 5, 3, 33  # shapes never seen at export time
+    b, s, p, n = 5, 3, 33, 200  # shapes never seen at export time
     feeds = {
         "input_ids": rng.integers(0, 4096, (b, s)),
         "position_ids": np.tile(np.arange(p, p + s), (b, 1)),
         "attention_mask": np.ones((b, p + s), bool),
-        "past_keys": rng.standard_normal((2, b, p, 2, 16)).astype(np.float32),
-        "past_values": rng.standard_normal((2, b, p, 2, 16)).astype(np.float32),
+        "past_slots": rng.permutation(n)[: b * p].reshape(b, p),
+        "key_cache": rng.standard_normal((2, 2, n, 16)).astype(np.float32),
+        "value_cache": rng.standard_normal((2, 2, n, 16)).astype(np.float32),
     }
     logits, new_k, _ = session.run(None, feeds)
     with torch.no_grad():
         ref = step(*(torch.from_numpy(v) for v in feeds.values()))[0].numpy()
-    assert logits.shape == (5, 4096) and new_k.shape == (2, 5, 3, 2, 16)
+    assert logits.shape == (5, 4096) and new_k.shape == (2, 2, 5, 3, 16)
     assert np.abs(logits - ref).max() < 1e-4
 
 

@@ -154,7 +154,10 @@ class Engine:
                 break
             self.step()
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
-            self._finish(seq, "abort", error="the model is shutting down; retry on another instance")
+            if seq.held:
+                self._release(seq)
+            else:
+                self._finish(seq, "abort", error="the model is shutting down; retry on another instance")
 
     def _take(self, first: object) -> bool:
         """Moves everything queued into the scheduler; False when asked to stop."""
@@ -184,6 +187,7 @@ class Engine:
                 self._finish(seq, "error", error=f"model step failed for this request: {outcome}")
             else:
                 self._advance(seq, outcome)
+        self._release_completed_groups()
         self._update_gauges()
         return True
 
@@ -222,6 +226,11 @@ class Engine:
     # ----- after the step ----------------------------------------------------------------------
 
     def _advance(self, seq: Sequence, logits: np.ndarray) -> None:
+        if seq.held:  # a padding row of a static batch: computed like the others, output discarded
+            seq.output_ids.append(int(np.argmax(logits)))
+            if seq.num_tokens >= self.spec.context_length:
+                self._release(seq)
+            return
         p = seq.params
         early = len(seq.output_ids) < p.min_tokens
         banned = list(self.spec.eos_token_ids) if early and not p.ignore_eos else []
@@ -253,7 +262,12 @@ class Engine:
         return True
 
     def _emit(self, seq: Sequence, finished: bool, reason: str | None = None, error: str | None = None) -> None:
-        """Streams what is safe to show (text that may still become a stop string is held back)."""
+        out = self._output(seq, finished, reason, error)
+        if out is not None:
+            seq.sink(out)
+
+    def _output(self, seq: Sequence, finished: bool, reason: str | None, error: str | None) -> RequestOutput | None:
+        """What is safe to show now (text that may still become a stop string is held back)."""
         piece = ""
         if error is None:
             hold = 0 if finished or not seq.params.stop else max(map(len, seq.params.stop)) - 1
@@ -263,21 +277,44 @@ class Engine:
             if seq.include_input and not seq.responses:
                 piece = seq.prompt + piece
             if not piece and not finished:
-                return
+                return None
         seq.responses += 1
-        seq.sink(RequestOutput(seq.request_id, piece, finished, reason, len(seq.prompt_ids),
-                               len(seq.output_ids), error))
+        return RequestOutput(seq.request_id, piece, finished, reason, len(seq.prompt_ids), len(seq.output_ids), error)
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None, flush: bool = True) -> None:
         if flush and error is None:
             seq.text += seq.decoder.flush()
-        self.scheduler.retire(seq)
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+        out = self._output(seq, True, reason, error)
+        if reason in ("stop", "length") and self._batch_still_running(seq):
+            seq.held = out  # static: the answer waits for the batch, the row keeps computing
+            return
+        self.scheduler.retire(seq)
         with contextlib.suppress(Exception):  # a vanished client must not take the loop down
-            self._emit(seq, finished=True, reason=reason, error=error)
+            seq.sink(out)
+
+    def _batch_still_running(self, seq: Sequence) -> bool:
+        """Static scheduling is request-level batching: a batch holds its rows and its answers
+        until its longest sequence is done (as a padded `generate` call does)."""
+        return self.config.scheduling == "static" and any(
+            s.group == seq.group and s is not seq and not s.held for s in self.scheduler.running)
+
+    def _release(self, seq: Sequence) -> None:
+        out, seq.held = seq.held, None
+        self.scheduler.retire(seq)
+        with contextlib.suppress(Exception):
+            seq.sink(out)
+
+    def _release_completed_groups(self) -> None:
+        held = [s for s in self.scheduler.running if s.held]
+        for seq in held:
+            if not self._batch_still_running(seq):
+                self._release(seq)
 
     def _drop_cancelled(self) -> None:
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            if seq.held:
+                continue  # already answered in all but delivery
             if seq.is_cancelled():
                 self.stats.cancelled += 1
                 self._finish(seq, "abort")

@@ -1,9 +1,9 @@
 """Runs the exported decoder step on a batch, reading and writing the paged KV cache.
 
-The cache is preallocated once as [layers, slots, kv_heads, head_dim] per K and V, where a
-slot is one token position of one block. A step gathers each row's past slots into the padded
-[L, B, P, H, D] input, runs the graph, and scatters the new tokens' keys/values into the slots
-the block manager assigned. Nothing else is allocated per sequence.
+The cache is preallocated once as [layers, kv_heads, slots, head_dim] per K and V, where a slot
+is one token position of one block. A step hands the graph the whole cache plus each row's past
+slots (the graph gathers what it attends to, layer by layer), then writes the new tokens'
+keys/values into the slots the block manager assigned. Nothing is allocated per sequence.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ class StepBatch:
     position_ids: np.ndarray  # [B, S]
     attention_mask: np.ndarray  # [B, P + S]
     past_slots: np.ndarray  # [B, P] cache slot of each past position (padding -> slot 0, masked)
+
     write_rows: np.ndarray  # [T] row of each real new token
     write_cols: np.ndarray  # [T] column (in S) of each real new token
     write_slots: np.ndarray  # [T] cache slot it is written to
@@ -104,20 +105,22 @@ class OnnxRunner:
             options.intra_op_num_threads = threads
         self.session = ort.InferenceSession(str(model_dir / "model.onnx"), options, providers=_ort_providers(device))
         self.spec = spec
-        shape = (spec.num_layers, num_slots, spec.num_kv_heads, spec.head_dim)
-        self.keys = np.zeros(shape, np.float32)
-        self.values = np.zeros(shape, np.float32)
+        shape = (spec.num_layers, spec.num_kv_heads, num_slots, spec.head_dim)
+        # full(), not zeros(): touch every page now, so resident memory is flat from the start
+        self.keys = np.full(shape, 0.0, np.float32)
+        self.values = np.full(shape, 0.0, np.float32)
 
     def step(self, batch: StepBatch) -> np.ndarray:
         logits, new_k, new_v = self.session.run(None, {
             "input_ids": batch.input_ids,
             "position_ids": batch.position_ids,
             "attention_mask": batch.attention_mask,
-            "past_keys": np.take(self.keys, batch.past_slots, axis=1),
-            "past_values": np.take(self.values, batch.past_slots, axis=1),
+            "past_slots": batch.past_slots,
+            "key_cache": self.keys,  # passed by reference: onnxruntime reads numpy memory in place
+            "value_cache": self.values,
         })
-        self.keys[:, batch.write_slots] = new_k[:, batch.write_rows, batch.write_cols]
-        self.values[:, batch.write_slots] = new_v[:, batch.write_rows, batch.write_cols]
+        self.keys[:, :, batch.write_slots] = new_k[:, :, batch.write_rows, batch.write_cols]
+        self.values[:, :, batch.write_slots] = new_v[:, :, batch.write_rows, batch.write_cols]
         return logits
 
 
@@ -151,7 +154,7 @@ class TorchScriptRunner:
             warnings.simplefilter("ignore", DeprecationWarning)
             self.module = torch.jit.load(str(model_dir / "model.pt"), map_location=self.device).eval()
         self.spec = spec
-        shape = (spec.num_layers, num_slots, spec.num_kv_heads, spec.head_dim)
+        shape = (spec.num_layers, spec.num_kv_heads, num_slots, spec.head_dim)
         self.keys = torch.zeros(shape, dtype=torch.float32, device=self.device)
         self.values = torch.zeros(shape, dtype=torch.float32, device=self.device)
 
@@ -165,11 +168,11 @@ class TorchScriptRunner:
         rows, cols = dev(batch.write_rows), dev(batch.write_cols)
         with torch.inference_mode():
             logits, new_k, new_v = self.module(
-                dev(batch.input_ids), dev(batch.position_ids), dev(batch.attention_mask),
-                self.keys[:, past], self.values[:, past],
+                dev(batch.input_ids), dev(batch.position_ids), dev(batch.attention_mask), past,
+                self.keys, self.values,
             )
-            self.keys[:, slots] = new_k[:, rows, cols]
-            self.values[:, slots] = new_v[:, rows, cols]
+            self.keys[:, :, slots] = new_k[:, :, rows, cols]
+            self.values[:, :, slots] = new_v[:, :, rows, cols]
         return logits.cpu().numpy()
 
 

@@ -57,6 +57,7 @@ class Sequence:
     arrival: float = field(default_factory=time.monotonic)
     order: int = field(default_factory=lambda: next(_arrival_order))
     first_token_at: float | None = None
+    held: RequestOutput | None = None  # static scheduling: finished, but its row stays until the group ends
 
     def __post_init__(self) -> None:
         self.sampler = Sampler(self.params)

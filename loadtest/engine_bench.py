@@ -1,0 +1,204 @@
+"""`batchstring engine-bench`: static vs continuous scheduling in-process, and the runner's ceiling.
+
+Two measurements per mode, on the same items:
+- saturation: every request queued at t=0; output tokens/s over the whole run;
+- latency: the same items arriving as a Poisson stream at one common rate (a fraction of the
+  continuous engine's saturated request rate); p50/p99 request latency and time to first token.
+Then the raw runner: decode-step throughput at batch sizes 1..64, the reference ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+from tqdm import tqdm
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling import SamplingParams
+from engine.sequence import RequestOutput, Sequence
+from export.layout import MODEL_VERSION_DIR
+from loadtest.workload import Item, mixed
+
+MODES = ("static", "continuous")
+CEILING_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass
+class RunResult:
+    mode: str
+    scenario: str
+    requests: int
+    output_tokens: int
+    seconds: float
+    tokens_per_s: float
+    p50_latency_s: float
+    p99_latency_s: float
+    p50_ttft_s: float
+    mean_step_batch: float
+
+
+class _Tracker:
+    """Sink that timestamps final outputs, with a progress bar."""
+
+    def __init__(self, total: int, label: str) -> None:
+        self.done: dict[str, float] = {}
+        self.tokens = 0
+        self.finished = threading.Event()
+        self.total = total
+        self.bar = tqdm(total=total, desc=label, unit="req", leave=False)
+
+    def __call__(self, out: RequestOutput) -> None:
+        now = time.monotonic()
+        if out.finished:
+            self.done[out.request_id] = now
+            self.tokens += out.num_output_tokens
+            self.bar.update()
+            if len(self.done) == self.total:
+                self.bar.close()
+                self.finished.set()
+
+
+class _StaticGroups:
+    """Mimics Triton's dynamic batcher for `static` mode: requests arriving while the engine is
+    busy with a batch join the next batch, up to max_num_seqs."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.current: list[Sequence] = []
+        self.group = 0
+
+    def assign(self, seq: Sequence) -> None:
+        open_group = len(self.current) < self.limit and all(s.status.value == "waiting" for s in self.current)
+        if not open_group:
+            self.group += 1
+            self.current = []
+        seq.group = self.group
+        self.current.append(seq)
+
+
+def run_mode(model_dir: Path, mode: str, items: list[Item], arrivals: np.ndarray, scenario: str,
+             **engine_args) -> RunResult:
+    engine = Engine(EngineConfig(model_dir=model_dir, scheduling=mode, **engine_args))
+    tracker = _Tracker(len(items), f"{mode:>10} {scenario}")
+    groups = _StaticGroups(engine.config.max_num_seqs)
+    seqs = [engine.make_sequence(item.prompt, SamplingParams(max_tokens=item.max_tokens, temperature=0.0,
+                                                             ignore_eos=True), tracker, request_id=str(i))
+            for i, item in enumerate(items)]
+    start = time.monotonic()
+    submitted = {}
+    for seq in seqs[: int(np.sum(arrivals == 0))]:  # everything due at t=0 is queued before the loop starts
+        groups.assign(seq)
+        submitted[seq.request_id] = start
+        engine.submit(seq)
+    engine.start()
+    for seq, at in zip(seqs[len(submitted) :], arrivals[len(submitted) :]):
+        delay = start + at - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        groups.assign(seq)
+        submitted[seq.request_id] = time.monotonic()
+        engine.submit(seq)
+    tracker.finished.wait()
+    engine.stop()
+    end = max(tracker.done.values())
+    latency = np.array([tracker.done[s.request_id] - submitted[s.request_id] for s in seqs])
+    ttft = np.array([s.first_token_at - submitted[s.request_id] for s in seqs])
+    s = engine.stats
+    return RunResult(mode, scenario, len(items), tracker.tokens, end - start, tracker.tokens / (end - start),
+                     float(np.percentile(latency, 50)), float(np.percentile(latency, 99)),
+                     float(np.percentile(ttft, 50)), s.step_seqs / max(1, s.steps))
+
+
+def runner_ceiling(model_dir: Path, past: int = 128, steps: int = 20) -> dict[int, float]:
+    """Decode tokens/s of the bare runner (no scheduling, sampling or detokenisation)."""
+    from engine.runner import build_batch
+
+    engine = Engine(EngineConfig(model_dir=model_dir, max_num_seqs=max(CEILING_BATCHES)))
+    prompt = "x" * 4096
+    ids = engine.codec.encode(prompt)[:past]
+    result = {}
+    for batch in tqdm(CEILING_BATCHES, desc="runner ceiling", leave=False):
+        seqs = [engine.make_sequence("x", SamplingParams(max_tokens=8), lambda o: None) for _ in range(batch)]
+        for s in seqs:
+            s.prompt_ids = list(ids)
+            engine.blocks.grow(s, past + 1)
+        engine.runner.step(build_batch(seqs, engine.blocks.block_size))  # prefill
+        for s in seqs:
+            s.num_cached = past
+            s.output_ids = [0]
+        step_batch = build_batch(seqs, engine.blocks.block_size)
+        timings = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            engine.runner.step(step_batch)
+            timings.append(time.perf_counter() - t)
+        result[batch] = batch / float(np.median(timings))
+        for s in seqs:
+            engine.blocks.release(s)
+    return result
+
+
+def main(args: argparse.Namespace) -> int:
+    console = Console()
+    model_dir = MODEL_VERSION_DIR
+    items = mixed(args.requests, seed=args.seed)
+    engine_args = {"max_num_seqs": args.max_num_seqs}
+    zero = np.zeros(len(items))
+    results = [run_mode(model_dir, mode, items, zero, "saturated", **engine_args) for mode in MODES]
+    continuous = results[1]
+    rate = args.load * continuous.requests / continuous.seconds
+    arrivals = np.cumsum(np.random.default_rng(args.seed).exponential(1 / rate, size=len(items)))
+    results += [run_mode(model_dir, mode, items, arrivals, "poisson", **engine_args) for mode in MODES]
+    ceiling = runner_ceiling(model_dir)
+    report(console, results, ceiling, rate)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"runs": [asdict(r) for r in results],
+                                        "ceiling_tokens_per_s": ceiling,
+                                        "requests": args.requests, "load": args.load}, indent=2))
+        console.print(f"wrote {args.out}")
+    return 0
+
+
+def report(console: Console, results: list[RunResult], ceiling: dict[int, float], rate: float) -> None:
+    table = Table(title=f"in-process engine, {results[0].requests} requests (prompts 8-200 tokens, max_tokens "
+                        f"8-256, greedy): saturated = all queued at t=0; poisson = {rate:.1f} req/s")
+    for col in ("scenario", "mode", "out tok/s", "p50 latency", "p99 latency", "p50 TTFT", "mean step batch"):
+        table.add_column(col, justify="right")
+    for r in results:
+        table.add_row(r.scenario, r.mode, f"{r.tokens_per_s:.0f}", f"{r.p50_latency_s:.2f} s",
+                      f"{r.p99_latency_s:.2f} s", f"{r.p50_ttft_s:.2f} s", f"{r.mean_step_batch:.1f}")
+    console.print(table)
+    by = {(r.scenario, r.mode): r for r in results}
+    ratios = Table(title="continuous / static")
+    ratios.add_column("measure")
+    ratios.add_column("ratio", justify="right")
+    ratios.add_row("throughput, saturated",
+                   f"{by['saturated', 'continuous'].tokens_per_s / by['saturated', 'static'].tokens_per_s:.2f}x")
+    ratios.add_row("p99 latency under Poisson load (static / continuous)",
+                   f"{by['poisson', 'static'].p99_latency_s / by['poisson', 'continuous'].p99_latency_s:.2f}x lower")
+    console.print(ratios)
+    ceil = Table(title="runner ceiling: decode tokens/s at past = 128 (no scheduling)")
+    ceil.add_column("batch", justify="right")
+    ceil.add_column("tokens/s", justify="right")
+    for b, tps in ceiling.items():
+        ceil.add_row(str(b), f"{tps:.0f}")
+    console.print(ceil)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--requests", type=int, default=192, help="items per run")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--load", type=float, default=0.7,
+                   help="Poisson rate as a fraction of the continuous engine's saturated request rate")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("results/engine-bench.json"))

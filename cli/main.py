@@ -57,8 +57,15 @@ def _engine_bench(args: argparse.Namespace) -> int:
     return bench(args)
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from loadtest.bench import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from client.cli import add_arguments as run_arguments
+    from loadtest.bench import add_arguments as bench_arguments
     from loadtest.engine_bench import add_arguments as engine_bench_arguments
     from server.serve import add_arguments as serve_arguments
 
@@ -85,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="start a local server, batch prompts from concurrent callers, show stats")
     p.add_argument("--config", choices=("cpu", "gpu"), default="cpu")
     p.set_defaults(func=_demo)
+
+    p = sub.add_parser("bench", help="served-throughput sweep vs baselines: JSON, markdown table, PNG plots")
+    bench_arguments(p)
+    p.set_defaults(func=_bench)
 
     p = sub.add_parser("engine-bench", help="in-process engine: static vs continuous, and the runner ceiling")
     engine_bench_arguments(p)

@@ -133,15 +133,15 @@ class _Sink:
         self.sender = sender
 
     def __call__(self, out: RequestOutput) -> None:
-        flags = FINAL if out.finished else 0
         if out.error:
             code = "UNAVAILABLE" if out.finish_reason == "abort" else "INTERNAL"
-            response = pb_utils.InferenceResponse(error=_error(out.error, code))
-        else:
-            response = pb_utils.InferenceResponse(output_tensors=[
-                pb_utils.Tensor("text_output", np.array([[out.text.encode("utf-8")]], dtype=np.object_)),
+            self.sender.send(pb_utils.InferenceResponse(error=_error(out.error, code)), flags=FINAL)
+            return
+        tensors = [pb_utils.Tensor("text_output", np.array([[out.text.encode("utf-8")]], dtype=np.object_))]
+        if out.finished:  # streamed pieces carry only text; the last response says how it ended
+            tensors += [
                 pb_utils.Tensor("finish_reason", np.array([[(out.finish_reason or "").encode()]], dtype=np.object_)),
                 pb_utils.Tensor("num_input_tokens", np.array([[out.num_input_tokens]], dtype=np.uint32)),
                 pb_utils.Tensor("num_output_tokens", np.array([[out.num_output_tokens]], dtype=np.uint32)),
-            ])
-        self.sender.send(response, flags=flags)
+            ]
+        self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if out.finished else 0)

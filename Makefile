@@ -7,7 +7,7 @@ VERSION_DIR := model_repository/llm/1
 EXPORTED := $(VERSION_DIR)/runtime.json
 MODEL_SOURCES := $(wildcard export/default_model/*) $(wildcard export/*.py)
 
-.PHONY: install export test demo serve lint loadtest bench clean
+.PHONY: install export test demo serve lint loadtest bench genai-perf clean
 
 install: $(INSTALLED)
 
@@ -33,8 +33,17 @@ demo: $(EXPORTED)
 serve: $(EXPORTED)
 	$(BIN)/batchstring serve --config cpu
 
+loadtest: $(EXPORTED)
+	$(BIN)/batchstring loadtest
+
+bench: $(EXPORTED)
+	$(BIN)/batchstring bench
+
+genai-perf: $(EXPORTED)
+	$(BIN)/batchstring genai-perf
+
 lint: $(INSTALLED)
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) results tests/logs $(addprefix $(VERSION_DIR)/,model.onnx model.onnx.data model.pt tokenizer.json runtime.json)
+	rm -rf $(VENV) .venv-genai-perf results tests/logs $(addprefix $(VERSION_DIR)/,model.onnx model.onnx.data model.pt tokenizer.json runtime.json)

@@ -63,10 +63,24 @@ def _bench(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _loadtest(args: argparse.Namespace) -> int:
+    from loadtest.run_locust import run
+
+    return run(args)
+
+
+def _genai_perf(args: argparse.Namespace) -> int:
+    from loadtest.genai_perf import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from client.cli import add_arguments as run_arguments
     from loadtest.bench import add_arguments as bench_arguments
     from loadtest.engine_bench import add_arguments as engine_bench_arguments
+    from loadtest.genai_perf import add_arguments as genai_perf_arguments
+    from loadtest.run_locust import add_arguments as loadtest_arguments
     from server.serve import add_arguments as serve_arguments
 
     parser = argparse.ArgumentParser(prog="batchstring", description=__doc__.splitlines()[0])
@@ -96,6 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="served-throughput sweep vs baselines: JSON, markdown table, PNG plots")
     bench_arguments(p)
     p.set_defaults(func=_bench)
+
+    p = sub.add_parser("loadtest", help="Locust, headless and bounded, against the local server (started if needed)")
+    loadtest_arguments(p)
+    p.set_defaults(func=_loadtest)
+
+    p = sub.add_parser("genai-perf", help="NVIDIA genai-perf against the local server, compared with our client")
+    genai_perf_arguments(p)
+    p.set_defaults(func=_genai_perf)
 
     p = sub.add_parser("engine-bench", help="in-process engine: static vs continuous, and the runner ceiling")
     engine_bench_arguments(p)

@@ -8,7 +8,7 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 COLUMNS = ("system", "conc.", "out tok/s", "req/s", "p50", "p90", "p99", "TTFT p50", "x no-batching", "x ceiling",
            "Triton batch", "engine step batch")
@@ -21,7 +21,8 @@ def _s(value: float | None) -> str:
 def markdown_table(points) -> str:
     by = {(p.system, p.concurrency): p for p in points}
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for p in sorted(points, key=lambda p: (p.concurrency, list(dict.fromkeys(q.system for q in points)).index(p.system))):
+    order = list(dict.fromkeys(q.system for q in points))
+    for p in sorted(points, key=lambda p: (p.concurrency, order.index(p.system))):
         base, ceiling = by.get(("no-batching", p.concurrency)), by.get(("ceiling", p.concurrency))
         cells = [
             p.system, str(p.concurrency), f"{p.tokens_per_s:.0f}", f"{p.requests_per_s:.2f}",
@@ -43,7 +44,8 @@ def plot(points, out_dir: Path) -> None:
         ax.plot([p.concurrency for p in series], [p.tokens_per_s for p in series], marker="o", label=system)
     ax.set(xscale="log", xlabel="client concurrency (closed loop)", ylabel="output tokens/s",
            title="Throughput vs concurrency")
-    ax.set_xticks(sorted({p.concurrency for p in points}), labels=[str(c) for c in sorted({p.concurrency for p in points})])
+    levels = sorted({p.concurrency for p in points})
+    ax.set_xticks(levels, labels=[str(c) for c in levels])
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -93,7 +93,8 @@ class TritonPythonModel:
         except UnicodeDecodeError:
             raise InvalidRequest("sampling_parameters is not valid UTF-8; send a UTF-8 JSON object") from None
         cfg = self.engine.config
-        params = parse_sampling_parameters(params_text, self.engine.spec.context_length, cfg.default_max_tokens)
+        params = parse_sampling_parameters(params_text, self.engine.spec.context_length, cfg.default_max_tokens,
+                                           json.loads(request.parameters() or "{}"))
         stream = bool(_scalar(request, "stream") or False)
         include_input = not bool(_scalar(request, "exclude_input_in_output") or False)
         return self.engine.make_sequence(

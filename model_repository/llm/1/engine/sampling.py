@@ -93,16 +93,23 @@ def _as_stop(value: object) -> tuple[str, ...]:
     return tuple(items)
 
 
-def parse_sampling_parameters(raw: str | None, context_length: int, default_max_tokens: int) -> SamplingParams:
-    """Validates the JSON object; every error names the field and the allowed values."""
-    if raw is None or not raw.strip():
-        return SamplingParams(max_tokens=default_max_tokens)
-    try:
-        obj = json.loads(raw, parse_constant=lambda c: float(c))  # NaN/Infinity reach the range checks
-    except json.JSONDecodeError as exc:
-        raise InvalidRequest(f"sampling_parameters is not valid JSON ({exc.msg} at position {exc.pos})") from None
+def parse_sampling_parameters(raw: str | None, context_length: int, default_max_tokens: int,
+                              request_parameters: dict | None = None) -> SamplingParams:
+    """Validates the JSON object; every error names the field and the allowed values.
+
+    `request_parameters` are Triton request parameters (what the generate endpoint makes of extra
+    JSON keys, as in `{"text_input": "def ", "max_tokens": 16}`); known sampling keys among them
+    apply as the vLLM backend applies them, the others (Triton's own) are not ours to judge.
+    """
+    obj: object = {}
+    if raw is not None and raw.strip():
+        try:
+            obj = json.loads(raw, parse_constant=lambda c: float(c))  # NaN/Infinity reach the range checks
+        except json.JSONDecodeError as exc:
+            raise InvalidRequest(f"sampling_parameters is not valid JSON ({exc.msg} at position {exc.pos})") from None
     if not isinstance(obj, dict):
         raise InvalidRequest(f"sampling_parameters must be a JSON object; got {type(obj).__name__}")
+    obj.update({k: v for k, v in (request_parameters or {}).items() if k in _PARSERS})
     unknown = sorted(set(obj) - set(_PARSERS))
     if unknown:
         raise InvalidRequest(
@@ -148,17 +155,19 @@ class Sampler:
             logits[banned] = -np.inf
         if p.greedy:
             return int(np.argmax(logits))
-        scaled = logits.astype(np.float64) / p.temperature
+        scaled = logits / np.float32(p.temperature)
         if 0 < p.top_k < scaled.size:
             kth = np.partition(scaled, -p.top_k)[-p.top_k]
             scaled[scaled < kth] = -np.inf
-        probs = np.exp(scaled - scaled.max())
-        probs /= probs.sum()
+        weights = np.exp(scaled - scaled.max())
         if p.top_p < 1.0:
-            order = np.argsort(-probs, kind="stable")
-            cumulative = np.cumsum(probs[order])
-            keep = order[: int(np.searchsorted(cumulative, p.top_p)) + 1]
-            mask = np.zeros_like(probs)
-            mask[keep] = probs[keep]
-            probs = mask / mask.sum()
-        return int(self.rng.choice(probs.size, p=probs))
+            order = np.argsort(-weights, kind="stable")
+            cumulative = np.cumsum(weights[order])
+            keep = order[: int(np.searchsorted(cumulative, p.top_p * cumulative[-1])) + 1]
+            kept = np.zeros_like(weights)
+            kept[keep] = weights[keep]
+            weights = kept
+        # Inverse-CDF draw: one uniform number per token (rng.choice re-validates p every call).
+        cumulative = np.cumsum(weights)
+        return int(min(np.searchsorted(cumulative, self.rng.random() * cumulative[-1], side="right"),
+                       weights.size - 1))

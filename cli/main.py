@@ -75,12 +75,19 @@ def _genai_perf(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _soak(args: argparse.Namespace) -> int:
+    from loadtest.soak import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from client.cli import add_arguments as run_arguments
     from loadtest.bench import add_arguments as bench_arguments
     from loadtest.engine_bench import add_arguments as engine_bench_arguments
     from loadtest.genai_perf import add_arguments as genai_perf_arguments
     from loadtest.run_locust import add_arguments as loadtest_arguments
+    from loadtest.soak import add_arguments as soak_arguments
     from server.serve import add_arguments as serve_arguments
 
     parser = argparse.ArgumentParser(prog="batchstring", description=__doc__.splitlines()[0])
@@ -118,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("genai-perf", help="NVIDIA genai-perf against the local server, compared with our client")
     genai_perf_arguments(p)
     p.set_defaults(func=_genai_perf)
+
+    p = sub.add_parser("soak", help="minutes of load with model kills and injected OOM; audits every item")
+    soak_arguments(p)
+    p.set_defaults(func=_soak)
 
     p = sub.add_parser("engine-bench", help="in-process engine: static vs continuous, and the runner ceiling")
     engine_bench_arguments(p)

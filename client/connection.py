@@ -53,6 +53,7 @@ class _Stream:
             reason = "stream cancelled"
         finally:
             self.closed = True
+            self._outbox.put_nowait(_DONE)  # ends the request iterator too
             for request_id, sink in self._sinks.items():
                 sink.put_nowait(Piece(request_id, final=True, error=f"stream broken ({reason})"))
 

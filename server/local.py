@@ -116,21 +116,21 @@ class LocalServer:
         self.stop()
         raise ServerError(f"model not ready after {self.ready_timeout:.0f} s:\n{self.log_tail()}")
 
-    def stop(self) -> None:
-        """SIGTERM (Triton drains and unloads), then SIGKILL the whole process group if it lingers."""
+    def stop(self, grace: float = EXIT_TIMEOUT_SECS + 5) -> None:
+        """SIGTERM (Triton drains in-flight requests), then SIGKILL the process group after `grace` s."""
         proc, self.process = self.process, None
         if proc is None:
             return
-        if proc.poll() is None:
+        if proc.poll() is None and grace > 0:
             proc.send_signal(signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=EXIT_TIMEOUT_SECS + 5)
+                proc.wait(timeout=grace)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # stubs share the group; none may outlive the server
         proc.wait()
 
-    def restart(self) -> None:
-        self.stop()
+    def restart(self, grace: float = EXIT_TIMEOUT_SECS + 5) -> None:
+        self.stop(grace)
         self.start()
 
     def close(self) -> None:

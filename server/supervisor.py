@@ -53,7 +53,9 @@ class Supervisor:
         self.report(f"batchstring: {reason}; restarting tritonserver")
         while not stop.is_set():
             try:
-                self.server.restart()
+                # No grace: requests in flight on a dead model would never finish, so draining them
+                # only delays recovery. Their clients see the stream break and retry.
+                self.server.restart(grace=0)
             except ServerError as exc:
                 self.report(f"batchstring: restart failed, retrying in 5 s: {exc}")
                 stop.wait(5)

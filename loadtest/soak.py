@@ -1,0 +1,133 @@
+"""`batchstring soak`: minutes of saturating load with faults injected, and an audit of every item.
+
+A supervised local server (as `batchstring serve` runs it) takes batchstring calls from many
+threads sharing one client, while its model process is killed every `--kill-every` seconds and
+5% of calls carry the engine's fault marker (an injected out-of-memory step). Every item is
+checked against its reference output (greedy, computed on the healthy server first): it must be
+exactly right, or an explicit error (the poisoned items, or a deadline). Anything else is counted
+as lost, duplicated, misordered or wrong, and the command fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import psutil
+from rich.console import Console
+from rich.table import Table
+
+from client import BatchClient, DeadlineExceeded, ItemError
+from server.local import LocalServer
+from server.supervisor import Supervisor
+
+MARKER = "<<soak-poison>>"
+POOL = [f"def task_{i}(self, value):\n    " for i in range(64)]
+MAX_TOKENS = 16
+
+
+def server_memory(server: LocalServer) -> int:
+    """Resident bytes of tritonserver and its model process."""
+    if server.process is None:
+        return 0
+    try:
+        root = psutil.Process(server.process.pid)
+        return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+    except psutil.NoSuchProcess:
+        return 0
+
+
+def audit(items: list[str], outputs: list, ref: dict[str, str], tally: Counter) -> None:
+    tally["calls"] += 1
+    tally["items"] += len(items)
+    if len(outputs) < len(items):
+        tally["lost"] += len(items) - len(outputs)
+    if len(outputs) > len(items):
+        tally["duplicated"] += len(outputs) - len(items)
+    for position, (item, out) in enumerate(zip(items, outputs)):
+        if MARKER in item:
+            tally["isolated failures" if isinstance(out, ItemError) else "wrong"] += 1
+        elif isinstance(out, DeadlineExceeded):
+            tally["deadline"] += 1
+        elif isinstance(out, BaseException):
+            tally["unexpected errors"] += 1
+        elif out == ref[item]:
+            tally["ok"] += 1
+        elif out in (ref[other] for i, other in enumerate(items) if i != position):
+            tally["misordered"] += 1
+        else:
+            tally["wrong"] += 1
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console()
+    server = LocalServer(config="cpu", params={"fault_marker": MARKER}).start()
+    stop = threading.Event()
+    supervisor = Supervisor(server, interval=0.5, report=lambda line: console.print(f"[dim]{line}[/]"))
+    watcher = threading.Thread(target=supervisor.run, args=(stop,), daemon=True)
+    watcher.start()
+    tally: Counter = Counter()
+    latencies: list[float] = []
+    try:
+        with BatchClient(server.grpc_url) as client:
+            ref = dict(zip(POOL, client.batchstring(POOL, max_tokens=MAX_TOKENS)))
+            memory_start = server_memory(server)
+            deadline = time.monotonic() + args.minutes * 60
+            kills = threading.Thread(target=_kill_stubs, args=(server, args.kill_every, deadline, stop, tally),
+                                     daemon=True)
+            kills.start()
+
+            def caller(seed: int) -> None:
+                rng = random.Random(seed)
+                while time.monotonic() < deadline:
+                    items = rng.sample(POOL, rng.randint(1, 8))
+                    if rng.random() < 0.05:
+                        items[0] += MARKER
+                    began = time.monotonic()
+                    outputs = client.batchstring(items, max_tokens=MAX_TOKENS, timeout=90, return_exceptions=True)
+                    latencies.append(time.monotonic() - began)
+                    audit(items, outputs, ref, tally)
+
+            with ThreadPoolExecutor(args.callers) as pool:
+                list(pool.map(caller, range(args.callers)))
+            memory_end = server_memory(server)
+    finally:
+        stop.set()
+        watcher.join()
+        server.close()
+    return report(console, tally, latencies, memory_start, memory_end, supervisor.restarts, args)
+
+
+def _kill_stubs(server: LocalServer, every: float, deadline: float, stop: threading.Event, tally: Counter) -> None:
+    while not stop.wait(every) and time.monotonic() < deadline - every / 2:
+        stubs = server.stub_processes()
+        if stubs:
+            stubs[0].kill()
+            tally["model process kills"] += 1
+
+
+def report(console, tally, latencies, memory_start, memory_end, restarts, args) -> int:
+    table = Table(title=f"soak: {args.minutes} min, {args.callers} callers, model process killed every "
+                        f"{args.kill_every:.0f} s, 5% of calls poisoned")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    for key in ("calls", "items", "ok", "isolated failures", "deadline", "lost", "duplicated", "misordered", "wrong",
+                "unexpected errors", "model process kills"):
+        table.add_row(key, str(tally.get(key, 0)))
+    table.add_row("server restarts by the supervisor", str(restarts))
+    table.add_row("p99 call latency", f"{np.percentile(latencies, 99):.2f} s" if latencies else "—")
+    table.add_row("server memory at start / end", f"{memory_start / 2**20:.0f} / {memory_end / 2**20:.0f} MiB")
+    console.print(table)
+    bad = sum(tally.get(k, 0) for k in ("lost", "duplicated", "misordered", "wrong", "unexpected errors"))
+    return 1 if bad else 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--minutes", type=float, default=5.0)
+    p.add_argument("--callers", type=int, default=16, help="concurrent calling threads")
+    p.add_argument("--kill-every", type=float, default=60.0, help="seconds between model-process kills")

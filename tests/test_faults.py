@@ -1,0 +1,180 @@
+"""Fault injection through real servers: kills, OOM, overload, cancellation, TLS.
+
+Every load here checks each item against its reference (greedy output from the same server while
+healthy): a result is either exactly right or an explicit error, never wrong, missing or repeated.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from client import BatchClient, BatchError, DeadlineExceeded, ItemError, RetryPolicy
+from server.local import LocalServer
+from server.stats import metrics
+from server.supervisor import Supervisor
+from server.triton import TLS
+from tests.conftest import FAULT_MARKER, start_server
+
+POOL = [f"def handler_{i}(request):\n    " for i in range(24)]
+MAX_TOKENS = 12
+
+
+def reference(url: str) -> dict[str, str]:
+    with BatchClient(url) as c:
+        return dict(zip(POOL, c.batchstring(POOL, max_tokens=MAX_TOKENS)))
+
+
+def load(url: str, calls: int, concurrency: int, retry: RetryPolicy | None = None, timeout: float | None = None,
+         poison_every: int = 0) -> list[tuple[list[str], list]]:
+    """`calls` batchstring calls of 1-4 strings from `concurrency` threads sharing one client."""
+    def one(n: int) -> tuple[list[str], list]:
+        items = [POOL[(n * 7 + k) % len(POOL)] for k in range(1 + n % 4)]
+        if poison_every and n % poison_every == 0:
+            items[0] += FAULT_MARKER
+        return items, client.batchstring(items, max_tokens=MAX_TOKENS, timeout=timeout, return_exceptions=True)
+
+    with BatchClient(url, retry=retry) as client, ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(one, range(calls)))
+
+
+def check(results, ref: dict[str, str]) -> dict[str, int]:
+    """Counts outcomes; fails on any wrong, missing or duplicated item."""
+    counts = {"ok": 0, "deadline": 0, "isolated": 0}
+    for items, outputs in results:
+        assert len(outputs) == len(items), "an item was lost or duplicated"
+        for item, out in zip(items, outputs):
+            if FAULT_MARKER in item:
+                assert isinstance(out, ItemError) and "out of memory" in str(out)
+                counts["isolated"] += 1
+            elif isinstance(out, DeadlineExceeded):
+                counts["deadline"] += 1
+            else:
+                assert out == ref[item], f"wrong result for {item!r}: {out!r}"
+                counts["ok"] += 1
+    return counts
+
+
+@pytest.fixture
+def fresh_server(request, model_dir):
+    return start_server(request, "fault", config="cpu", params={"fault_marker": FAULT_MARKER})
+
+
+def test_server_killed_and_restarted_during_load(fresh_server):
+    ref = reference(fresh_server.grpc_url)
+
+    def kill_and_restart() -> None:
+        time.sleep(1.0)
+        os.killpg(fresh_server.process.pid, signal.SIGKILL)
+        fresh_server.process.wait()
+        fresh_server.process = None
+        time.sleep(1.0)
+        fresh_server.start()  # same ports
+
+    chaos = threading.Thread(target=kill_and_restart)
+    chaos.start()
+    results = load(fresh_server.grpc_url, calls=120, concurrency=12, timeout=60)
+    chaos.join()
+    counts = check(results, ref)
+    assert counts["ok"] > 0 and counts["ok"] + counts["deadline"] == sum(len(i) for i, _ in results)
+
+
+def test_stub_killed_supervisor_recovers_within_30_seconds(fresh_server):
+    ref = reference(fresh_server.grpc_url)
+    stop = threading.Event()
+    events: list[tuple[float, str]] = []
+    supervisor = Supervisor(fresh_server, interval=0.5, report=lambda line: events.append((time.monotonic(), line)))
+    watcher = threading.Thread(target=supervisor.run, args=(stop,))
+    watcher.start()
+    killed_at: list[float] = []
+
+    def kill_stub() -> None:
+        time.sleep(1.0)
+        stub = fresh_server.stub_processes()[0]
+        killed_at.append(time.monotonic())
+        stub.kill()
+
+    chaos = threading.Thread(target=kill_stub)
+    chaos.start()
+    try:
+        results = load(fresh_server.grpc_url, calls=120, concurrency=12, timeout=60)
+    finally:
+        chaos.join()
+        stop.set()
+        watcher.join()
+    assert supervisor.restarts == 1
+    back = next(t for t, line in events if "serving again" in line)
+    assert back - killed_at[0] <= 30, f"service back after {back - killed_at[0]:.1f} s"
+    counts = check(results, ref)
+    assert counts["ok"] > 0
+
+
+def test_injected_oom_under_load_fails_only_the_poisoned(fresh_server):
+    ref = reference(fresh_server.grpc_url)
+    results = load(fresh_server.grpc_url, calls=60, concurrency=12, poison_every=5)
+    counts = check(results, ref)
+    assert counts["isolated"] == 12 and counts["deadline"] == 0
+    assert metrics(fresh_server.metrics_url)["batchstring_failures_isolated_total"] >= 12
+
+
+@pytest.fixture
+def tiny_queue_server(request, model_dir):
+    """An engine of 2 sequences with room for 2 waiting, and a Triton queue of 4."""
+    def edit(config) -> None:
+        config.max_batch_size = 2
+        del config.dynamic_batching.preferred_batch_size[:]
+        config.dynamic_batching.default_queue_policy.max_queue_size = 4
+
+    return start_server(request, "tiny-queue", config="cpu", edit=edit,
+                        params={"max_num_seqs": "2", "max_waiting_seqs": "2"})
+
+
+def test_full_queue_is_refused_fast_and_retried_with_backoff(tiny_queue_server):
+    url = tiny_queue_server.grpc_url
+    with BatchClient(url, retry=RetryPolicy(max_attempts=1)) as c, ThreadPoolExecutor(32) as pool:
+        outcomes = list(pool.map(lambda i: c.batchstring([POOL[i % 24]], max_tokens=40, ignore_eos=True,
+                                                         return_exceptions=True)[0], range(32)))
+    rejected = [o for o in outcomes if isinstance(o, ItemError)]
+    assert rejected, "a burst of 32 into 2 running + 2 waiting + 4 queued must overflow the queue"
+    assert all("exceeds maximum queue size" in str(e).lower() and e.retryable for e in rejected)
+    results = load(url, calls=40, concurrency=32, retry=RetryPolicy(max_attempts=20, max_backoff=1.0), timeout=120)
+    ref = reference(url)
+    counts = check(results, ref)
+    assert counts["deadline"] == 0, "with backoff every call completes"
+    assert tiny_queue_server.model_ready()
+
+
+def test_cancelled_stream_frees_its_slot(server):
+    with BatchClient(server.grpc_url) as c:
+        before = metrics(server.metrics_url)
+        pieces = c.stream("def long_running():", max_tokens=400, ignore_eos=True)
+        assert next(pieces) and next(pieces)
+        pieces.close()  # the client cancels mid-stream
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            time.sleep(0.6)
+            after = metrics(server.metrics_url)
+            if after["batchstring_cancelled_total"] > before.get("batchstring_cancelled_total", 0):
+                break
+        assert after["batchstring_cancelled_total"] == before.get("batchstring_cancelled_total", 0) + 1
+        assert after["batchstring_running_sequences"] == 0 and after["batchstring_kv_cache_utilization"] == 0
+        assert after["batchstring_generated_tokens_total"] - before["batchstring_generated_tokens_total"] < 400
+
+
+def test_tls_serves_grpc_with_a_self_signed_certificate(tmp_path, model_dir):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    with LocalServer(config="cpu", tls=TLS(cert, key)) as server:
+        with BatchClient(server.grpc_url, root_certificates=cert) as secure:
+            assert secure.batchstring(["def tls():"], max_tokens=4)[0]
+        plain = BatchClient(server.grpc_url, retry=RetryPolicy(max_attempts=2, deadline=5))
+        with plain, pytest.raises(BatchError):
+            plain.batchstring(["def plain():"], max_tokens=4)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
+import socket
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -19,6 +21,7 @@ from client.retry import RetryPolicy
 DEFAULT_URL = "localhost:8001"
 DEFAULT_MAX_TOKENS = 64
 HEALTH_PROBE_SECONDS = 2.0
+DISCOVERY_SECONDS = 30.0
 
 
 def _urls(url: str | Sequence[str]) -> list[str]:
@@ -29,12 +32,27 @@ def _urls(url: str | Sequence[str]) -> list[str]:
     return urls
 
 
+def discover(urls: list[str]) -> dict[str, str]:
+    """Every address a name resolves to (a Kubernetes headless Service lists each ready pod).
+
+    Returns {"address:port": host}; the host is kept to verify TLS certificates by name.
+    """
+    found = {}
+    for url in urls:
+        host, _, port = url.rpartition(":")
+        for *_, sockaddr in socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM):
+            address = sockaddr[0]
+            found[f"[{address}]:{port}" if ":" in address else f"{address}:{port}"] = host
+    return found
+
+
 class AsyncBatchClient:
     """Sends each string as its own Triton request over one shared gRPC stream per server.
 
     Safe to share between tasks. With several URLs, each item goes to the ready server with the
     fewest items outstanding from this client (gRPC connections are long-lived, so spreading
-    happens here rather than in a connection-level load balancer).
+    happens here rather than in a connection-level load balancer). With `discover=True` each URL's
+    host name is resolved to all its addresses (one server each), again every 30 s.
     """
 
     def __init__(
@@ -45,12 +63,16 @@ class AsyncBatchClient:
         retry: RetryPolicy | None = None,
         tls: bool = False,
         root_certificates: str | Path | None = None,
+        discover: bool = False,
     ) -> None:
-        credentials = None
+        self._credentials = None
         if tls or root_certificates:
             root = Path(root_certificates).read_bytes() if root_certificates else None
-            credentials = grpc.ssl_channel_credentials(root_certificates=root)
-        self.connections = [Connection(u, credentials) for u in _urls(url)]
+            self._credentials = grpc.ssl_channel_credentials(root_certificates=root)
+        self._urls = _urls(url)
+        self._discover = discover
+        self.connections: list[Connection] = []
+        self._refresh_endpoints()
         self.retry = retry or RetryPolicy()
         self._slots = asyncio.Semaphore(max_in_flight)
         self._ids = itertools.count()
@@ -118,7 +140,6 @@ class AsyncBatchClient:
         options = GenerationOptions(max_tokens=max_tokens, temperature=temperature, **sampling)
         conn = self._pick()
         stream = conn.private_stream()
-        conn.outstanding += 1
         try:
             async for piece in stream.request(build_request(self._new_id(), text, options, stream=True)):
                 _raise_for(piece)
@@ -151,38 +172,53 @@ class AsyncBatchClient:
                 delay = self.retry.backoff(attempt)
                 if loop.time() + delay >= deadline:
                     raise DeadlineExceeded(f"deadline reached while retrying; last error: {exc}") from exc
-                await asyncio.sleep(delay)
+            finally:
+                conn.outstanding -= 1
+            await asyncio.sleep(delay)
 
     async def _attempt(self, conn: Connection, text: bytes, options: GenerationOptions, remaining: float) -> str:
         async with self._slots:
-            conn.outstanding += 1
-            try:
-                request = build_request(self._new_id(), text, options, stream=False,
-                                        queue_timeout_us=int(remaining * 1e6))
-                pieces = [p async for p in conn.shared_stream().request(request)]
-            finally:
-                conn.outstanding -= 1
+            request = build_request(self._new_id(), text, options, stream=False, queue_timeout_us=int(remaining * 1e6))
+            pieces = [p async for p in conn.shared_stream().request(request)]
         for piece in pieces:
             _raise_for(piece)
         return "".join(p.text for p in pieces)
 
+    def _refresh_endpoints(self) -> None:
+        """(Re)builds the server list; connections to servers that are still listed are kept."""
+        wanted = discover(self._urls) if self._discover else dict.fromkeys(self._urls)
+        kept = [c for c in self.connections if c.url in wanted]
+        for gone in set(self.connections) - set(kept):
+            asyncio.get_running_loop().create_task(gone.close())
+        known = {c.url for c in kept}
+        added = [Connection(u, self._credentials, wanted[u]) for u in wanted if u not in known]
+        self.connections = kept + added
+
     def _pick(self) -> Connection:
-        if self._prober is None and len(self.connections) > 1:
+        if self._prober is None and (len(self.connections) > 1 or self._discover):
             self._prober = asyncio.create_task(self._probe())
         healthy = [c for c in self.connections if c.healthy] or self.connections
-        return min(healthy, key=lambda c: c.outstanding)
+        conn = min(healthy, key=lambda c: c.outstanding)
+        conn.outstanding += 1  # counted from the choice, so a burst of picks spreads out
+        return conn
 
     def _new_id(self) -> str:
         return f"{self._prefix}-{next(self._ids)}"
 
     async def _probe(self) -> None:
-        """Marks servers whose model is not ready as down, so new items skip them."""
+        """Marks servers whose model is not ready as down, so new items skip them; rediscovers."""
+        last_discovery = asyncio.get_running_loop().time()
         while True:
-            ready = await asyncio.gather(*(c.model_ready() for c in self.connections))
-            for conn, ok in zip(self.connections, ready):
+            connections = list(self.connections)
+            ready = await asyncio.gather(*(c.model_ready() for c in connections))
+            for conn, ok in zip(connections, ready):
                 if not ok:
                     conn.mark_down(HEALTH_PROBE_SECONDS * 1.5)
             await asyncio.sleep(HEALTH_PROBE_SECONDS)
+            if self._discover and asyncio.get_running_loop().time() - last_discovery > DISCOVERY_SECONDS:
+                with contextlib.suppress(OSError):  # keep the current list if DNS is down
+                    self._refresh_endpoints()
+                last_discovery = asyncio.get_running_loop().time()
 
 
 def _raise_for(piece: Piece) -> None:

@@ -87,12 +87,14 @@ class _Stream:
 class Connection:
     """A server endpoint, its health as this client sees it, and its load (outstanding items)."""
 
-    def __init__(self, url: str, credentials: grpc.ChannelCredentials | None = None) -> None:
+    def __init__(self, url: str, credentials: grpc.ChannelCredentials | None = None,
+                 tls_name: str | None = None) -> None:
         self.url = url
         if credentials is None:
             self.channel = grpc.aio.insecure_channel(url, options=CHANNEL_OPTIONS)
-        else:
-            self.channel = grpc.aio.secure_channel(url, credentials, options=CHANNEL_OPTIONS)
+        else:  # tls_name: the certificate's name when `url` is an address found by discovery
+            options = CHANNEL_OPTIONS + ([("grpc.ssl_target_name_override", tls_name)] if tls_name else [])
+            self.channel = grpc.aio.secure_channel(url, credentials, options=options)
         self.stub = service_pb2_grpc.GRPCInferenceServiceStub(self.channel)
         self.outstanding = 0
         self.down_until = 0.0

@@ -48,6 +48,20 @@ def start_server(request: pytest.FixtureRequest, name: str, **kwargs):
     return server
 
 
+def metric_reaches(metrics_url: str, name: str, minimum: float, timeout: float = 10.0) -> float:
+    """The engine publishes metrics twice a second: poll until `name` >= minimum (or time out)."""
+    import time
+
+    from server.stats import metrics
+
+    deadline = time.monotonic() + timeout
+    while True:
+        value = metrics(metrics_url).get(name, 0.0)
+        if value >= minimum or time.monotonic() > deadline:
+            return value
+        time.sleep(0.25)
+
+
 @pytest.fixture(scope="session")
 def server(request, model_dir):
     """The CPU config as shipped, plus the test-only fault marker."""

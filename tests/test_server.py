@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import numpy as np
 import pytest
 
 from client import AsyncBatchClient, BatchClient, BatchError, DeadlineExceeded, ItemError
 from server.stats import batch_stats, metrics
-from tests.conftest import FAULT_MARKER, start_server
+from tests.conftest import FAULT_MARKER, metric_reaches, start_server
 from tests.engine_helpers import alone, engine, varied_prompts
 
 
@@ -156,7 +155,7 @@ def test_timeout_surfaces_as_a_clear_deadline_error(client):
 
 def test_engine_metrics_are_exported(server, client):
     client.batchstring(["def metric():"], max_tokens=4)
-    time.sleep(1.2)  # published twice a second
+    metric_reaches(server.metrics_url, "batchstring_generated_tokens_total", 4)
     m = metrics(server.metrics_url)
     for name in ("batchstring_generated_tokens_total", "batchstring_steps_total",
                  "batchstring_step_sequences_total", "batchstring_kv_cache_utilization",

@@ -93,17 +93,21 @@ class Runner(Protocol):
         ...
 
 
+def _ort_session(model_dir: Path, device: str, threads: int):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if threads > 0:
+        options.intra_op_num_threads = threads
+    return ort.InferenceSession(str(model_dir / "model.onnx"), options, providers=_ort_providers(device))
+
+
 class OnnxRunner:
-    """ONNX Runtime on the instance's device; the cache is host memory (numpy)."""
+    """ONNX Runtime on the CPU; the cache is host memory (numpy), handed over without a copy."""
 
     def __init__(self, model_dir: Path, spec: RuntimeSpec, num_slots: int, device: str, threads: int) -> None:
-        import onnxruntime as ort
-
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        if threads > 0:
-            options.intra_op_num_threads = threads
-        self.session = ort.InferenceSession(str(model_dir / "model.onnx"), options, providers=_ort_providers(device))
+        self.session = _ort_session(model_dir, device, threads)
         self.spec = spec
         shape = (spec.num_layers, spec.num_kv_heads, num_slots, spec.head_dim)
         # full(), not zeros(): touch every page now, so resident memory is flat from the start
@@ -122,6 +126,52 @@ class OnnxRunner:
         self.keys[:, :, batch.write_slots] = new_k[:, :, batch.write_rows, batch.write_cols]
         self.values[:, :, batch.write_slots] = new_v[:, :, batch.write_rows, batch.write_cols]
         return logits
+
+
+class OnnxCudaRunner:
+    """ONNX Runtime's CUDA provider with the cache resident on the GPU.
+
+    onnxruntime cannot write into an input in place, so the cache is a pair of torch CUDA tensors:
+    bound to the session by pointer (I/O binding; no cache byte crosses PCIe, only ids, masks and
+    logits do), and updated with torch's indexed assignment after each step.
+    """
+
+    def __init__(self, model_dir: Path, spec: RuntimeSpec, num_slots: int, device: str, threads: int) -> None:
+        import torch
+
+        self.session = _ort_session(model_dir, device, threads)
+        self.torch = torch
+        self.device = torch.device(device)
+        self.spec = spec
+        shape = (spec.num_layers, spec.num_kv_heads, num_slots, spec.head_dim)
+        self.keys = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        self.values = torch.zeros(shape, dtype=torch.float32, device=self.device)
+
+    def _bind(self, binding, name: str, tensor, output: bool = False) -> None:
+        bind = binding.bind_output if output else binding.bind_input
+        bind(name, "cuda", self.device.index or 0, np.float32, list(tensor.shape), tensor.data_ptr())
+
+    def step(self, batch: StepBatch) -> np.ndarray:
+        torch = self.torch
+        b, s = batch.input_ids.shape
+        spec = self.spec
+        logits = torch.empty((b, spec.vocab_size), dtype=torch.float32, device=self.device)
+        new_k = torch.empty((spec.num_layers, spec.num_kv_heads, b, s, spec.head_dim), device=self.device)
+        new_v = torch.empty_like(new_k)
+        binding = self.session.io_binding()
+        for name in ("input_ids", "position_ids", "attention_mask", "past_slots"):
+            binding.bind_cpu_input(name, getattr(batch, name))
+        self._bind(binding, "key_cache", self.keys)
+        self._bind(binding, "value_cache", self.values)
+        for name, tensor in (("logits", logits), ("new_keys", new_k), ("new_values", new_v)):
+            self._bind(binding, name, tensor, output=True)
+        torch.cuda.current_stream(self.device).synchronize()  # last step's cache writes are visible
+        self.session.run_with_iobinding(binding)
+        rows, cols, slots = (torch.from_numpy(a).to(self.device) for a in
+                             (batch.write_rows, batch.write_cols, batch.write_slots))
+        self.keys[:, :, slots] = new_k[:, :, rows, cols]
+        self.values[:, :, slots] = new_v[:, :, rows, cols]
+        return logits.cpu().numpy()
 
 
 def _ort_providers(device: str) -> list:
@@ -176,8 +226,6 @@ class TorchScriptRunner:
         return logits.cpu().numpy()
 
 
-RUNNERS = {"onnxruntime": OnnxRunner, "torchscript": TorchScriptRunner}
-
-
 def build_runner(runtime: str, model_dir: Path, spec: RuntimeSpec, num_slots: int, device: str, threads: int) -> Runner:
-    return RUNNERS[runtime](model_dir, spec, num_slots, device, threads)
+    kind = TorchScriptRunner if runtime == "torchscript" else OnnxRunner if device == "cpu" else OnnxCudaRunner
+    return kind(model_dir, spec, num_slots, device, threads)

@@ -1,7 +1,7 @@
 """The `batchstring` command: one entry point for every stage of the project.
 
-Subcommands import their implementation lazily so that `batchstring run` does not pay for
-torch, and a missing optional piece only breaks the subcommand that needs it.
+Subcommands import their implementation when they run, so that `batchstring run` or `serve`
+never load torch.
 """
 
 from __future__ import annotations

@@ -140,14 +140,16 @@ class AsyncBatchClient:
         options = GenerationOptions(max_tokens=max_tokens, temperature=temperature, **sampling)
         conn = self._pick()
         stream = conn.private_stream()
+        finished = False
         try:
             async for piece in stream.request(build_request(self._new_id(), text, options, stream=True)):
                 _raise_for(piece)
                 if piece.text:
                     yield piece.text
+            finished = True
         finally:
             conn.outstanding -= 1
-            await stream.close()
+            await stream.close(cancel=not finished)
 
     # ----- one item ----------------------------------------------------------------------------
 

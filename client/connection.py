@@ -8,6 +8,7 @@ flight on it is told so (and may be re-sent); a new stream is opened on next use
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 
@@ -75,11 +76,16 @@ class _Stream:
         finally:
             self._sinks.pop(request.id, None)
 
-    def cancel(self) -> None:
-        self.call.cancel()
+    async def close(self, cancel: bool = False) -> None:
+        """Half-closes the stream and lets the server end it; `cancel` aborts it instead.
 
-    async def close(self) -> None:
+        Ending streams gracefully matters: a cancelled stream can keep tritonserver's gRPC
+        frontend waiting at shutdown, and cancelling means "stop generating" to the server.
+        """
         self._outbox.put_nowait(_DONE)
+        if not cancel:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._reader), timeout=2.0)
         self.call.cancel()
         await asyncio.gather(self._reader, return_exceptions=True)
 

@@ -75,13 +75,19 @@ class Sample:
     tokens: int
 
 
-def summarize(system: str, concurrency: int, samples: list[Sample], seconds: float, **extra) -> Point:
+def summarize(system: str, concurrency: int, runs: list[tuple[list[Sample], float]], **extra) -> Point:
+    """Median throughput over repeated runs; latency percentiles over all their requests."""
+    samples = [s for run, _ in runs for s in run]
     lat = np.array([s.latency for s in samples])
     ttft = [s.ttft for s in samples if s.ttft is not None]
-    tokens = sum(s.tokens for s in samples)
-    return Point(system, concurrency, len(samples), tokens, seconds, tokens / seconds, len(samples) / seconds,
+    rates = [sum(s.tokens for s in run) / seconds for run, seconds in runs]
+    tokens_per_s = float(np.median(rates))
+    requests = len(runs[0][0])
+    return Point(system, concurrency, requests, sum(s.tokens for s in runs[0][0]),
+                 float(np.median([seconds for _, seconds in runs])), tokens_per_s,
+                 float(np.median([len(run) / seconds for run, seconds in runs])),
                  *(float(np.percentile(lat, q)) for q in (50, 90, 99)),
-                 float(np.percentile(ttft, 50)) if ttft else None, extra)
+                 float(np.percentile(ttft, 50)) if ttft else None, {**extra, "repeats": len(runs)})
 
 
 async def closed_loop(call: Callable[[int, Item], Awaitable[float | None]], items: list[Item],
@@ -102,80 +108,104 @@ async def closed_loop(call: Callable[[int, Item], Awaitable[float | None]], item
     return samples, time.perf_counter() - began
 
 
-def served_points(name: str, items_for: Callable[[int], list[Item]], levels: tuple[int, ...],
-                  bar: tqdm) -> list[Point]:
-    spec = SERVED[name]
-    with LocalServer(config="cpu", params=spec["params"], edit=spec.get("edit")) as server:
-        async def sweep() -> list[Point]:
-            points = []
-            async with AsyncBatchClient(server.grpc_url, max_in_flight=512) as client:
-                async def call(index: int, item: Item) -> float | None:
-                    if index % STREAM_EVERY:
-                        await client.batchstring([item.prompt], max_tokens=item.max_tokens, ignore_eos=True)
-                        return None
-                    began = time.perf_counter()
-                    first = None
-                    async for _ in client.stream(item.prompt, max_tokens=item.max_tokens, ignore_eos=True):
-                        first = first or time.perf_counter() - began
-                    return first
+class Served:
+    """A tritonserver variant, called through AsyncBatchClient."""
 
-                await closed_loop(call, items_for(4)[:4], 4)  # warm-up
-                for c in levels:
-                    before, m0 = batch_stats(server.grpc_url), metrics(server.metrics_url)
-                    samples, seconds = await closed_loop(call, items_for(c), c)
-                    stats, m1 = batch_stats(server.grpc_url) - before, metrics(server.metrics_url)
-                    steps = m1["batchstring_steps_total"] - m0.get("batchstring_steps_total", 0)
-                    seqs = m1["batchstring_step_sequences_total"] - m0.get("batchstring_step_sequences_total", 0)
-                    points.append(summarize(name, c, samples, seconds, triton_batch=stats.average_batch,
-                                            triton_queue_ms=stats.average_queue_ms,
-                                            engine_step_batch=seqs / steps if steps else 0.0))
-                    bar.update()
-            return points
+    def __init__(self, name: str, queue_delay_us: int | None) -> None:
+        spec = SERVED[name]
 
-        return asyncio.run(sweep())
+        def edit(config) -> None:
+            if "edit" in spec:
+                spec["edit"](config)
+            elif queue_delay_us is not None:
+                config.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
+
+        self.server = LocalServer(config="cpu", params=spec["params"], edit=edit).start()
+        self.extra: dict[str, list[float]] = {}
+
+    async def _run(self, items: list[Item], concurrency: int) -> tuple[list[Sample], float]:
+        async with AsyncBatchClient(self.server.grpc_url, max_in_flight=512) as client:
+            async def call(index: int, item: Item) -> float | None:
+                if index % STREAM_EVERY:
+                    await client.batchstring([item.prompt], max_tokens=item.max_tokens, ignore_eos=True)
+                    return None
+                began = time.perf_counter()
+                first = None
+                async for _ in client.stream(item.prompt, max_tokens=item.max_tokens, ignore_eos=True):
+                    first = first or time.perf_counter() - began
+                return first
+
+            return await closed_loop(call, items, concurrency)
+
+    def measure(self, items: list[Item], concurrency: int) -> tuple[list[Sample], float]:
+        url, murl = self.server.grpc_url, self.server.metrics_url
+        before, m0 = batch_stats(url), metrics(murl)
+        result = asyncio.run(self._run(items, concurrency))
+        stats, m1 = batch_stats(url) - before, metrics(murl)
+        steps = m1["batchstring_steps_total"] - m0.get("batchstring_steps_total", 0)
+        seqs = m1["batchstring_step_sequences_total"] - m0.get("batchstring_step_sequences_total", 0)
+        self.extra = {"triton_batch": stats.average_batch, "triton_queue_ms": stats.average_queue_ms,
+                      "engine_step_batch": seqs / steps if steps else 0.0}
+        return result
+
+    def close(self) -> None:
+        self.server.close()
 
 
-def seed_points(items_for, levels, bar) -> list[Point]:
-    from loadtest.seed_batcher import SeedBatcher
+class SeedAsyncio:
+    """The classic asyncio batcher in-process (loadtest/seed_batcher.py)."""
 
-    engine = Engine(EngineConfig(model_dir=MODEL_VERSION_DIR, scheduling="static"))
-    points = []
-    for c in levels:
-        async def run(c=c):
-            async with SeedBatcher(engine) as batcher:
+    def __init__(self) -> None:
+        self.engine = Engine(EngineConfig(model_dir=MODEL_VERSION_DIR, scheduling="static"))
+        self.extra: dict = {}
+
+    def measure(self, items: list[Item], concurrency: int) -> tuple[list[Sample], float]:
+        from loadtest.seed_batcher import SeedBatcher
+
+        async def run():
+            async with SeedBatcher(self.engine) as batcher:
                 async def call(index: int, item: Item) -> None:
                     await batcher.infer(item.prompt, item.max_tokens)
 
-                return await closed_loop(call, items_for(c), c)
+                return await closed_loop(call, items, concurrency)
 
-        samples, seconds = asyncio.run(run())
-        points.append(summarize("seed-asyncio", c, samples, seconds))
-        bar.update()
-    return points
+        return asyncio.run(run())
+
+    def close(self) -> None:
+        pass
 
 
-def hf_points(items_for, levels, bar) -> list[Point]:
-    from loadtest.hf_generate import HFGenerate
+class HFGenerateSystem:
+    """Padded static batches of `concurrency` prompts through Hugging Face generate."""
 
-    hf = HFGenerate()
-    points = []
-    for c in levels:
-        timings = hf.run(items_for(c), batch=c)
+    def __init__(self) -> None:
+        from loadtest.hf_generate import HFGenerate
+
+        self.hf = HFGenerate()
+        self.extra: dict = {}
+
+    def measure(self, items: list[Item], concurrency: int) -> tuple[list[Sample], float]:
+        timings = self.hf.run(items, batch=concurrency)
         samples = [Sample(t.seconds, None, item.max_tokens) for t in timings for item in t.items]
-        points.append(summarize("hf-generate", c, samples, sum(t.seconds for t in timings)))
-        bar.update()
-    return points
+        return samples, sum(t.seconds for t in timings)
+
+    def close(self) -> None:
+        pass
 
 
-def ceiling_points(items_for, levels, bar) -> list[Point]:
-    """The in-process continuous engine at the same concurrency, timed at the runner only."""
-    points = []
-    for c in levels:
+class Ceiling:
+    """The in-process continuous engine at the same concurrency, timed at the runner only:
+    output tokens / seconds the runner was busy, at the batch sizes this scheduler forms."""
+
+    def __init__(self) -> None:
+        self.extra: dict = {}
+
+    def measure(self, items: list[Item], concurrency: int) -> tuple[list[Sample], float]:
         engine = Engine(EngineConfig(model_dir=MODEL_VERSION_DIR))
         busy = [0.0]
         step = engine.runner.step
 
-        def timed(batch, step=step, busy=busy):
+        def timed(batch):
             began = time.perf_counter()
             try:
                 return step(batch)
@@ -183,55 +213,71 @@ def ceiling_points(items_for, levels, bar) -> list[Point]:
                 busy[0] += time.perf_counter() - began
 
         engine.runner.step = timed
-        items = items_for(c)
-        pending = list(reversed(items))
-        live = []
+        pending, live = list(reversed(items)), []
         while pending or live:
-            while pending and len(live) < c:
+            while pending and len(live) < concurrency:
                 item = pending.pop()
-                seq = engine.make_sequence(item.prompt, SamplingParams(max_tokens=item.max_tokens, temperature=0.0,
-                                                                       ignore_eos=True), lambda out: None)
+                params = SamplingParams(max_tokens=item.max_tokens, temperature=0.0, ignore_eos=True)
+                seq = engine.make_sequence(item.prompt, params, lambda out: None)
                 engine.scheduler.add(seq)
                 live.append(seq)
             engine.step()
             live = [s for s in live if not s.finished]
-        samples = [Sample(0.0, None, item.max_tokens) for item in items]
-        point = summarize("ceiling", c, samples, busy[0], engine_step_batch=engine.stats.step_seqs / engine.stats.steps)
-        point.p50_s = point.p90_s = point.p99_s = float("nan")  # a throughput reference, not a latency
-        points.append(point)
-        bar.update()
-    return points
+        self.extra = {"engine_step_batch": engine.stats.step_seqs / engine.stats.steps}
+        return [Sample(float("nan"), None, item.max_tokens) for item in items], busy[0]
+
+    def close(self) -> None:
+        pass
+
+
+def build(system: str, args: argparse.Namespace):
+    if system in SERVED:
+        return Served(system, args.queue_delay_us)
+    return {"seed-asyncio": SeedAsyncio, "hf-generate": HFGenerateSystem, "ceiling": Ceiling}[system]()
 
 
 def run(args: argparse.Namespace) -> int:
-    console = Console()
+    console = Console(width=160)
     levels = CONCURRENCY
     per_level = (lambda c: max(8, c)) if args.quick else (lambda c: max(16, 2 * c))
     max_tokens = (16, 48) if args.quick else (16, 128)
+    repeats = args.repeats or (1 if args.quick else 2)
     pool = mixed(2 * max(levels) + 16, max_tokens=max_tokens, seed=args.seed)
-
-    def items_for(c: int) -> list[Item]:
-        return pool[: per_level(c)]
-
     out_dir = args.out or Path("results") / time.strftime("bench-%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True, exist_ok=True)
-    systems = [s for s in SYSTEMS if not args.systems or s in args.systems]
-    bar = tqdm(total=len(systems) * len(levels), desc="bench", unit="point")
-    points: list[Point] = []
+    names = [s for s in SYSTEMS if not args.systems or s in args.systems]
     started = time.monotonic()
-    for system in systems:
-        bar.set_postfix(system=system)
-        if system in SERVED:
-            points += served_points(system, items_for, levels, bar)
-        else:
-            points += {"seed-asyncio": seed_points, "hf-generate": hf_points, "ceiling": ceiling_points}[system](
-                items_for, levels, bar)
-    bar.close()
+    with console.status(f"starting {', '.join(names)}..."):
+        systems = {name: build(name, args) for name in names}
+    points: list[Point] = []
+    bar = tqdm(total=len(names) * len(levels) * repeats, desc="bench", unit="run")
+    try:
+        # Systems take turns at each level, repeat after repeat, so a slow spell of a noisy
+        # machine lands on all of them rather than on one.
+        for c in levels:
+            runs: dict[str, list] = {name: [] for name in names}
+            extras: dict[str, dict] = {}
+            for _ in range(repeats):
+                for name, system in systems.items():
+                    bar.set_postfix(concurrency=c, system=name)
+                    runs[name].append(system.measure(pool[: per_level(c)], c))
+                    extras[name] = system.extra
+                    bar.update()
+            points += [summarize(name, c, runs[name], **extras[name]) for name in names]
+    finally:
+        bar.close()
+        for system in systems.values():
+            system.close()
+    for p in points:
+        if p.system == "ceiling":
+            p.p50_s = p.p90_s = p.p99_s = float("nan")  # a throughput reference, not a latency
     from loadtest.report import markdown_table, plot
 
     meta = {"command": " ".join(["batchstring", "bench", *(["--quick"] if args.quick else [])]),
+            "queue_delay_us": args.queue_delay_us, "repeats": repeats,
             "seconds": round(time.monotonic() - started, 1), "machine": machine(), "max_tokens": max_tokens,
-            "prompt_tokens": (8, 200), "requests_per_level": {c: per_level(c) for c in levels}}
+            "prompt_tokens": (8, 200), "requests_per_level": {c: per_level(c) for c in levels},
+            "stream_every": STREAM_EVERY}
     (out_dir / "bench.json").write_text(json.dumps({"meta": meta, "points": [asdict(p) for p in points]}, indent=2))
     table = markdown_table(points)
     (out_dir / "bench.md").write_text(table + "\n")
@@ -252,5 +298,7 @@ def machine() -> dict:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="fewer and shorter requests (about 2 minutes)")
     p.add_argument("--systems", nargs="*", choices=SYSTEMS, help="measure only these (default: all)")
+    p.add_argument("--repeats", type=int, help="runs per point, medians reported (default 2; --quick 1)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--queue-delay-us", type=int, help="override max_queue_delay_microseconds of batched servers")
     p.add_argument("--out", type=Path, help="results folder (default: results/bench-<time>)")

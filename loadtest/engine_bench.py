@@ -148,7 +148,7 @@ def runner_ceiling(model_dir: Path, past: int = 128, steps: int = 20) -> dict[in
 
 
 def main(args: argparse.Namespace) -> int:
-    console = Console()
+    console = Console(width=130)
     model_dir = MODEL_VERSION_DIR
     items = mixed(args.requests, seed=args.seed)
     engine_args = {"max_num_seqs": args.max_num_seqs}

@@ -102,7 +102,11 @@ class LocalServer:
                                         stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
         self.started_at = time.monotonic()
-        self.wait_ready()
+        try:
+            self.wait_ready()
+        except ServerError:
+            self.stop(grace=0)  # the error carries the log tail; leave no process behind
+            raise
         return self
 
     def wait_ready(self) -> None:
@@ -113,7 +117,6 @@ class LocalServer:
             if self.model_ready():
                 return
             time.sleep(0.2)
-        self.stop()
         raise ServerError(f"model not ready after {self.ready_timeout:.0f} s:\n{self.log_tail()}")
 
     def stop(self, grace: float = EXIT_TIMEOUT_SECS + 5) -> None:

@@ -81,7 +81,7 @@ def test_gpu_config_is_the_cpu_config_but_for_the_instance_kind():
 def test_gpu_config_is_refused_here_because_there_is_no_gpu(model_dir):
     with pytest.raises(ServerError) as info:
         LocalServer(config="gpu", ready_timeout=60).start()
-    assert "GPU" in str(info.value) or "gpu" in str(info.value)
+    assert "has kind KIND_GPU but no GPUs are available" in str(info.value)
 
 
 def test_image_command_line_serves_the_model_with_the_local_binary(model_dir, tmp_path):

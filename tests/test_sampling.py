@@ -40,7 +40,7 @@ def test_stop_accepts_a_string_or_a_list():
         ({"max_tokens": -1}, ["max_tokens", "[1, 512]"]),
         ({"max_tokens": 0}, ["max_tokens", "[1, 512]"]),
         ({"max_tokens": 10**9}, ["max_tokens", "[1, 512]"]),
-        ({"max_tokens": "lots"}, ["max_tokens", "integer"]),
+        ({"max_tokens": "lots"}, ["max_tokens", "integer", "got 'lots'"]),
         ({"max_tokens": 1.5}, ["max_tokens", "integer"]),
         ({"max_tokens": True}, ["max_tokens", "integer"]),
         ('{"temperature": NaN}', ["temperature", "[0, 100]"]),

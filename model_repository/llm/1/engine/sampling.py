@@ -39,18 +39,19 @@ class SamplingParams:
 
 
 def _as_int(key: str, value: object, low: int, high: int, extra: str = "") -> int:
-    if isinstance(value, bool):
-        value = None
+    number = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
     elif isinstance(value, str):
         try:
-            value = int(value.strip())
+            number = int(value.strip())
         except ValueError:
-            value = None
+            number = None
     elif isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if not isinstance(value, int) or not low <= value <= high:
+        number = int(value)
+    if number is None or not low <= number <= high:
         raise InvalidRequest(f"sampling_parameters.{key} must be an integer in [{low}, {high}]{extra}; got {value!r}")
-    return value
+    return number
 
 
 def _as_float(key: str, value: object, low: float, high: float, open_low: bool = False) -> float:

@@ -26,6 +26,10 @@ CALLERS = {
 MAX_TOKENS = 32
 
 
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", choices=("cpu", "gpu"), default="cpu")
+
+
 def run(args: argparse.Namespace) -> int:
     console = Console()
     with console.status(f"starting tritonserver ({args.config}) on free loopback ports..."):

@@ -147,7 +147,7 @@ def runner_ceiling(model_dir: Path, past: int = 128, steps: int = 20) -> dict[in
     return result
 
 
-def main(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     console = Console(width=130)
     model_dir = MODEL_VERSION_DIR
     items = mixed(args.requests, seed=args.seed)

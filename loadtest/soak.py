@@ -104,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _kill_stubs(server: LocalServer, every: float, deadline: float, stop: threading.Event, tally: Counter) -> None:
+    if every <= 0:
+        return
     while not stop.wait(every) and time.monotonic() < deadline - every / 2:
         stubs = server.stub_processes()
         if stubs:
@@ -112,8 +114,8 @@ def _kill_stubs(server: LocalServer, every: float, deadline: float, stop: thread
 
 
 def report(console, tally, latencies, memory_start, memory_end, restarts, args) -> int:
-    table = Table(title=f"soak: {args.minutes} min, {args.callers} callers, model process killed every "
-                        f"{args.kill_every:.0f} s, 5% of calls poisoned")
+    kills = f"model process killed every {args.kill_every:.0f} s" if args.kill_every > 0 else "no kills"
+    table = Table(title=f"soak: {args.minutes} min, {args.callers} callers, {kills}, 5% of calls poisoned")
     table.add_column("measure")
     table.add_column("value", justify="right")
     for key in ("calls", "items", "ok", "isolated failures", "deadline", "lost", "duplicated", "misordered", "wrong",
@@ -130,4 +132,5 @@ def report(console, tally, latencies, memory_start, memory_end, restarts, args) 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--minutes", type=float, default=5.0)
     p.add_argument("--callers", type=int, default=16, help="concurrent calling threads")
-    p.add_argument("--kill-every", type=float, default=60.0, help="seconds between model-process kills")
+    p.add_argument("--kill-every", type=float, default=60.0,
+                   help="seconds between model-process kills (0: none, to watch memory over one long run)")

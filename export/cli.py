@@ -1,0 +1,38 @@
+"""`batchstring export` and `batchstring train`: arguments here, the heavy work imported on use."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def add_export_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, help="local HF checkpoint directory (default: the shipped model)")
+    p.add_argument("--out", type=Path, help="output directory (default: model_repository/llm/1)")
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from export.exporter import export_model
+    from export.layout import MODEL_VERSION_DIR
+    from export.step import UnsupportedModel
+    from export.verify import VerificationError
+
+    try:
+        export_model(args.model, args.out or MODEL_VERSION_DIR)
+    except (UnsupportedModel, VerificationError) as exc:
+        print(f"batchstring export: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", type=Path, help="checkpoint directory (default: export/default_model)")
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from export.layout import DEFAULT_MODEL_DIR
+    from export.train import train
+
+    train(args.out or DEFAULT_MODEL_DIR)
+    return 0

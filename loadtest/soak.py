@@ -81,6 +81,9 @@ def run(args: argparse.Namespace) -> int:
             kills = threading.Thread(target=_kill_stubs, args=(server, args.kill_every, deadline, stop, tally),
                                      daemon=True)
             kills.start()
+            memory: list[int] = []
+            sampler = threading.Thread(target=_sample_memory, args=(server, deadline, stop, memory), daemon=True)
+            sampler.start()
 
             def caller(seed: int) -> None:
                 rng = random.Random(seed)
@@ -95,12 +98,17 @@ def run(args: argparse.Namespace) -> int:
 
             with ThreadPoolExecutor(args.callers) as pool:
                 list(pool.map(caller, range(args.callers)))
-            memory_end = server_memory(server)
+            memory.append(server_memory(server))
     finally:
         stop.set()
         watcher.join()
         server.close()
-    return report(console, tally, latencies, memory_start, memory_end, supervisor.restarts, args)
+    return report(console, tally, latencies, [memory_start, *memory], supervisor.restarts, args)
+
+
+def _sample_memory(server: LocalServer, deadline: float, stop: threading.Event, memory: list[int]) -> None:
+    while not stop.wait(30) and time.monotonic() < deadline:
+        memory.append(server_memory(server))
 
 
 def _kill_stubs(server: LocalServer, every: float, deadline: float, stop: threading.Event, tally: Counter) -> None:
@@ -113,7 +121,7 @@ def _kill_stubs(server: LocalServer, every: float, deadline: float, stop: thread
             tally["model process kills"] += 1
 
 
-def report(console, tally, latencies, memory_start, memory_end, restarts, args) -> int:
+def report(console, tally, latencies, memory: list[int], restarts, args) -> int:
     kills = f"model process killed every {args.kill_every:.0f} s" if args.kill_every > 0 else "no kills"
     table = Table(title=f"soak: {args.minutes} min, {args.callers} callers, {kills}, 5% of calls poisoned")
     table.add_column("measure")
@@ -123,7 +131,8 @@ def report(console, tally, latencies, memory_start, memory_end, restarts, args) 
         table.add_row(key, str(tally.get(key, 0)))
     table.add_row("server restarts by the supervisor", str(restarts))
     table.add_row("p99 call latency", f"{np.percentile(latencies, 99):.2f} s" if latencies else "—")
-    table.add_row("server memory at start / end", f"{memory_start / 2**20:.0f} / {memory_end / 2**20:.0f} MiB")
+    table.add_row("server memory at start / end", f"{memory[0] / 2**20:.0f} / {memory[-1] / 2**20:.0f} MiB")
+    table.add_row("server memory every 30 s (MiB)", " ".join(f"{m / 2**20:.0f}" for m in memory))
     console.print(table)
     bad = sum(tally.get(k, 0) for k in ("lost", "duplicated", "misordered", "wrong", "unexpected errors"))
     return 1 if bad else 0

@@ -115,9 +115,18 @@ class Engine:
             is_cancelled=is_cancelled or (lambda: False),
         )
 
-    def submit(self, seq: Sequence) -> None:
-        """Thread-safe; the sequence joins at the next iteration."""
-        self._inbox.put(seq)
+    def warm_up(self) -> None:
+        """Runs a few throw-away steps before serving, so that the runtime's first-run work
+        (allocations, kernel selection) is not paid by the first callers; stats start after it."""
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        self.generate([self.make_sequence("def warm_up(x):\n" * (i + 1), params, lambda out: None)
+                       for i in range(4)])
+        self.stats = EngineStats()
+
+    def submit(self, *seqs: Sequence) -> None:
+        """Thread-safe; the sequences join at the next iteration."""
+        for seq in seqs:
+            self._inbox.put(seq)
 
     def queued(self) -> int:
         return self._inbox.qsize() + len(self.scheduler.waiting)

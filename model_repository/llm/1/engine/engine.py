@@ -28,6 +28,10 @@ from engine.sequence import OutputSink, RequestOutput, Sequence, Status
 from engine.tokenizer import TextCodec
 
 _STOP = object()
+# Asking whether a request was cancelled is a round trip to Triton (~50 us). Running sequences
+# are asked every step (their cache must be freed within one iteration); waiting ones hold no
+# cache and are asked at most this often.
+WAITING_CANCEL_CHECK_SECONDS = 0.1
 
 
 @dataclass
@@ -66,6 +70,7 @@ class Engine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._room = threading.Condition()
         self._stopping = False
+        self._waiting_checked = 0.0
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
 
@@ -321,7 +326,12 @@ class Engine:
                 self._release(seq)
 
     def _drop_cancelled(self) -> None:
-        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+        now = time.monotonic()
+        candidates = list(self.scheduler.running)
+        if now - self._waiting_checked >= WAITING_CANCEL_CHECK_SECONDS:
+            candidates += self.scheduler.waiting
+            self._waiting_checked = now
+        for seq in candidates:
             if seq.held:
                 continue  # already answered in all but delivery
             if seq.is_cancelled():

@@ -61,7 +61,6 @@ class LocalServer:
         self.ports = self.ports or Ports(*free_ports())
         self._workdir = Path(tempfile.mkdtemp(prefix="batchstring-server-"))
         self.log_path = self.log_path or self._workdir / "tritonserver.log"
-        self.started_at = 0.0
 
     # ----- addresses ---------------------------------------------------------------------------
 
@@ -101,7 +100,6 @@ class LocalServer:
         self.process = subprocess.Popen(argv, env=install.environment(), stdout=log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
-        self.started_at = time.monotonic()
         try:
             self.wait_ready()
         except ServerError:

@@ -15,7 +15,8 @@ import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from export.layout import REPO_ROOT
+
 DEFAULT_REPOSITORY = REPO_ROOT / "model_repository"
 EXIT_TIMEOUT_SECS = 30
 # Admin APIs a client has no business calling. They are still compiled in, so they are put behind

@@ -24,7 +24,7 @@ from engine.errors import InvalidRequest, is_out_of_memory
 from engine.runner import Runner, RuntimeSpec, build_batch, build_runner
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledStep, Scheduler
-from engine.sequence import OutputSink, RequestOutput, Sequence, Status
+from engine.sequence import OutputSink, RequestOutput, Sequence
 from engine.tokenizer import TextCodec
 
 _STOP = object()
@@ -320,6 +320,8 @@ class Engine:
             seq.sink(out)
 
     def _release_completed_groups(self) -> None:
+        if self.config.scheduling != "static":
+            return  # only static scheduling holds rows; skip the scan on the continuous hot path
         held = [s for s in self.scheduler.running if s.held]
         for seq in held:
             if not self._batch_still_running(seq):
@@ -358,5 +360,3 @@ class Engine:
             with self._room:
                 self._room.notify_all()
 
-
-__all__ = ["Engine", "EngineStats", "Status"]

@@ -81,9 +81,9 @@ def export_model(
     source = Path(source or DEFAULT_MODEL_DIR).resolve()
     started = time.monotonic()
     hf_model = load_checkpoint(source)
-    step = DecoderStep(hf_model).eval()
     codec = TextCodec.from_file(source / "tokenizer.json")
     eos = eos_ids(hf_model.config)
+    step = DecoderStep(hf_model, eos, *codec.known_ids()).eval()
     with tempfile.TemporaryDirectory(prefix="batchstring-export-") as tmp:
         scratch = Path(tmp)
         with console.status("exporting ONNX (torch.export)..."):
@@ -97,7 +97,7 @@ def export_model(
         runtimes = {"eager step": _eager(step), "onnxruntime": _onnx(scratch / "model.onnx"),
                     "torchscript": _torchscript(scratch / "model.pt")}
         with console.status("verifying against the Hugging Face forward..."):
-            cases = verify_logits(hf_model, runtimes)
+            cases = verify_logits(hf_model, runtimes, eos)
             greedy = verify_greedy(hf_model, codec.encode, eos, runtimes)
         max_diff = report(console, cases, greedy)
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -108,15 +108,18 @@ def export_model(
     return ExportResult(out_dir, seconds, max_diff)
 
 
-def report(console: Console, cases, greedy: dict[str, dict[str, bool]]) -> dict[str, float]:
+def report(console: Console, cases, greedy: dict[str, dict[str, bool]], dtype: str = "float32") -> dict[str, float]:
     """Prints the verification tables; raises VerificationError past the tolerance."""
+    tolerance = TOLERANCE[dtype]
     names = list(cases[0].max_diff)
-    table = Table(title=f"max |Δ| vs Hugging Face eager forward (logits and new K/V; limit {TOLERANCE:g})")
-    for col in ("batch", "past", "padded rows", *names):
+    table = Table(title=f"max |Δ| vs Hugging Face eager forward (logits and new K/V; {dtype} limit {tolerance:g}); "
+                        "sampled ids = reference sampler (equal/rows, near-ties)")
+    for col in ("rows", "past", *names, *(f"{n} ids" for n in names)):
         table.add_column(col, justify="right")
     for c in cases:
-        cells = [f"[{'red' if d > TOLERANCE else 'green'}]{d:.2e}[/]" for d in c.max_diff.values()]
-        table.add_row(str(c.batch), str(c.past), "yes" if c.padded else "no", *cells)
+        cells = [f"[{'red' if d > tolerance else 'green'}]{d:.2e}[/]" for d in c.max_diff.values()]
+        ids = [f"{eq}/{n}" + (f" ({ties})" if ties else "") for n, eq, ties in c.sampled.values()]
+        table.add_row(str(c.batch), str(c.past), *cells, *ids)
     console.print(table)
     g = Table(title="greedy 32 tokens: identical to HF generate?")
     g.add_column("prompt")
@@ -126,9 +129,13 @@ def report(console: Console, cases, greedy: dict[str, dict[str, bool]]) -> dict[
         g.add_row(repr(prompt), *("[green]yes[/]" if v else "[red]NO[/]" for v in ok.values()))
     console.print(g)
     max_diff = {n: max(c.max_diff[n] for c in cases) for n in names}
-    bad = [f"{n}: max |Δ| {d:.2e}" for n, d in max_diff.items() if not d <= TOLERANCE]  # NaN fails too
+    bad = [f"{n}: max |Δ| {d:.2e}" for n, d in max_diff.items() if not d <= tolerance]  # NaN fails too
     bad += [f"greedy mismatch for {p!r} in {', '.join(n for n, v in ok.items() if not v)}"
             for p, ok in greedy.items() if not all(ok.values())]
+    for name in names:
+        checked, equal, ties = (sum(c.sampled[name][i] for c in cases) for i in range(3))
+        if equal + ties < checked:
+            bad.append(f"{name}: {checked - equal - ties} of {checked} sampled ids differ from the reference sampler")
     if bad:
         raise VerificationError(
             "exported step does not match the Hugging Face model (" + "; ".join(bad) + "); "

@@ -1,35 +1,59 @@
 """The decoder step we export: our own functional forward over a Hugging Face model's weights.
 
-One graph serves prefill and decode for a continuous-batching engine that keeps its own paged
-KV cache. The engine passes its whole cache (read-only) plus, for each row, the cache slots of
-that sequence's past tokens; it feeds only the tokens that are new. The step returns logits for
-the last position and the keys/values of the new tokens only, which the engine writes back.
+One graph serves a whole engine iteration: rows that decode one token and rows that prefill
+(a whole prompt, or a chunk of one) run together. The engine keeps its own paged KV cache; it
+passes the whole cache (read-only) plus, per row, the cache slots of that row's past tokens, and
+feeds only the tokens that are new. The step returns the next token of every row that asks for
+one (sampled inside the graph, see export/sampler.py) and the keys/values of the new tokens,
+which the engine writes back.
 
-Signature (L layers, H kv heads, D head dim, V vocab; B, S, P, N are dynamic):
+Signature (L layers, H kv heads, D head dim, V vocabulary; T, Bd, Pd, Bp, Sp, Pp, R, M, N dynamic):
 
-    input_ids       int64  [B, S]          new tokens, LEFT-padded so every row ends at S-1
-    position_ids    int64  [B, S]          absolute position of each new token
-    attention_mask  bool   [B, P + S]      True where a key is real (past or new), False = padding
-    past_slots      int64  [B, P]          cache slot of each past position (padding: any slot)
-    key_cache       f32    [L, H, N, D]    the engine's paged cache, N slots (read only)
-    value_cache     f32    [L, H, N, D]
+    input_ids       int64 [T]            the new tokens of every row, packed
+    position_ids    int64 [T]            absolute position of each
+    decode_tokens   int64 [Bd, 1]        decode group: the packed index of each row's one token
+    decode_slots    int64 [Bd, Pd]       cache slot of each past position (padding: any slot)
+    decode_mask     bool  [Bd, Pd + 1]   True where a key is real (past, then the token itself)
+    prefill_tokens  int64 [Bp, Sp]       prefill group: packed index of each new token, LEFT-padded
+    prefill_slots   int64 [Bp, Pp]
+    prefill_mask    bool  [Bp, Pp + Sp]
+    token_order     int64 [T]            where token t sits in (decode rows, then prefill rows x Sp)
+    logit_tokens    int64 [R]            packed index of each token whose successor is wanted
+    ban_eos         bool  [R]            min_tokens not reached: the end-of-sequence ids are banned
+    sample_rows     int64 [M]            rows (of R) that sample or want top log-probabilities
+    temperature     f32   [M]            0 = greedy
+    top_k           int64 [M]            0 = off
+    top_p           f32   [M]
+    uniform         f32   [M]            in (0, 1], from the request's own generator
+    key_cache       [L, H, N, D]         the engine's paged cache, N slots (read only), model dtype
+    value_cache     [L, H, N, D]
     ->
-    logits          f32    [B, V]          at position S-1 of every row
-    new_keys        f32    [L, H, B, S, D] keys of the S new tokens (after rotary)
-    new_values      f32    [L, H, B, S, D]
+    next_tokens     int64 [R]
+    token_logprobs  f32   [R]            log-probability of each next token under the model
+    top_ids         int64 [M, n]         the n most likely tokens of each sampled row
+    top_logprobs    f32   [M, n]
+    logits          f32   [R, V]         for verification; the engine never fetches them
+    new_keys        [L, H, T, D]         keys of the new tokens (after rotary), packed like input_ids
+    new_values      [L, H, T, D]
 
-Why this shape: on a CPU a decode step is bound by memory traffic over the past keys/values.
-Gathering them per layer inside the graph (instead of copying every sequence's past into a
-padded batch first) touches each byte once, while it is hot in cache, and the [H, B, P, D]
-layout that Gather yields is the one the attention matmuls consume, so past keys/values are
-never concatenated or transposed: scores for past and new keys are computed apart and joined
-(they are D times smaller). Keys are cached after the rotary embedding, as HF's cache does.
+Why this shape:
+- Linear layers (projections, MLP, head) run on the packed tokens: no compute is spent on padding.
+- Attention runs per group. Decode rows (one query each) and prefill rows (many) would waste
+  Sp-fold work on each other if padded together, so each group is padded only within itself.
+- On a CPU a decode step is bound by memory traffic over the past keys/values. Gathering them per
+  layer inside the graph (instead of copying every row's past into a padded batch first) touches
+  each byte once, while it is hot in cache, and the [H, B, P, D] layout that Gather yields is the
+  one the attention matmuls consume, so past keys/values are never concatenated or transposed:
+  scores for past and new keys are computed apart and joined (they are D times smaller).
+- Keys are cached after the rotary embedding, as HF's cache does.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from export.sampler import SamplingHead
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 UNSUPPORTED_ROPE = ("dynamic", "longrope")
@@ -60,9 +84,15 @@ def check_supported(config) -> None:
 
 
 class DecoderStep(nn.Module):
-    """Prefill-or-decode step over the modules of a `*ForCausalLM` (see module docstring)."""
+    """One engine iteration over the modules of a `*ForCausalLM` (see module docstring).
 
-    def __init__(self, hf_model) -> None:
+    `vocab_size` may be smaller than the checkpoint's: ids past the tokenizer's last one (padded
+    vocabularies) are cut off the logits and `never_ids` (holes in the tokenizer's ids) are masked,
+    so a token the tokenizer cannot turn into text is never sampled.
+    """
+
+    def __init__(self, hf_model, eos_ids: list[int] = (), vocab_size: int | None = None,
+                 never_ids: list[int] = ()) -> None:
         super().__init__()
         check_supported(hf_model.config)
         inner = hf_model.model
@@ -81,79 +111,123 @@ class DecoderStep(nn.Module):
         rotary = inner.rotary_emb
         self.register_buffer("inv_freq", rotary.inv_freq.detach().clone().float(), persistent=False)
         self.rope_scale = float(rotary.attention_scaling)
+        self.vocab_size = min(vocab_size or self.lm_head.out_features, self.lm_head.out_features)
+        self.sampler = SamplingHead(self.vocab_size, list(eos_ids), list(never_ids))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
 
     def forward(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        past_slots: torch.Tensor,
+        decode_tokens: torch.Tensor,
+        decode_slots: torch.Tensor,
+        decode_mask: torch.Tensor,
+        prefill_tokens: torch.Tensor,
+        prefill_slots: torch.Tensor,
+        prefill_mask: torch.Tensor,
+        token_order: torch.Tensor,
+        logit_tokens: torch.Tensor,
+        ban_eos: torch.Tensor,
+        sample_rows: torch.Tensor,
+        temperature: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        uniform: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        h = self.embed(input_ids)
+    ) -> tuple[torch.Tensor, ...]:
+        # Activations keep a leading axis of 1 ([1, T, d]): ONNX Runtime runs 3-D linear layers as
+        # MatMul with prepacked weights, measurably faster at small T than the Gemm a 2-D input gets.
+        h = self.embed(input_ids[None])
         cos, sin = self._rotary(position_ids)
-        bias = self._attention_bias(attention_mask, input_ids.shape[1])
-        # One flat Gather per layer: indexing key_cache[i] first would copy the whole layer.
+        groups = [(tokens, slots, _attention_bias(mask, tokens.shape[1]))
+                  for tokens, slots, mask in ((decode_tokens, decode_slots, decode_mask),
+                                              (prefill_tokens, prefill_slots, prefill_mask))]
+        # One flat Gather per layer and group: indexing key_cache[i] first would copy the whole layer.
         num_slots = key_cache.shape[2]
         flat_keys = key_cache.reshape(-1, self.head_dim)
         flat_values = value_cache.reshape(-1, self.head_dim)
-        heads = torch.arange(self.num_kv_heads, device=past_slots.device)[:, None, None] * num_slots
+        heads = torch.arange(self.num_kv_heads, device=input_ids.device)[:, None, None] * num_slots
         new_keys, new_values = [], []
+        q_heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         for i, layer in enumerate(self.layers):
-            rows = heads + past_slots[None] + i * self.num_kv_heads * num_slots  # [H, B, P]
-            past_k = flat_keys[rows]  # [H, B, P, D]
-            past_v = flat_values[rows]
-            attn_out, k, v = self._attention(layer.self_attn, layer.input_layernorm(h), cos, sin, bias, past_k, past_v)
-            h = h + attn_out
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-            new_keys.append(k)
-            new_values.append(v)
-        logits = self.lm_head(self.norm(h[:, -1, :]))
-        return logits.float(), torch.stack(new_keys), torch.stack(new_values)
+            attn = layer.self_attn
+            x = _rms_norm(layer.input_layernorm, h)
+            q, k = attn.q_proj(x).view(-1, q_heads, dim), attn.k_proj(x).view(-1, kv_heads, dim)
+            qk = _rotate(torch.cat((q, k), 1), cos, sin)  # rotary once for queries and keys
+            qkv = torch.cat((qk, attn.v_proj(x).view(-1, kv_heads, dim)), 1)  # [T, Hq + 2H, D]
+            outs = []
+            for tokens, slots, bias in groups:
+                rows = heads + slots[None] + i * kv_heads * num_slots  # [H, B, P]
+                q_g, k_g, v_g = _take(qkv, tokens).split((q_heads, kv_heads, kv_heads), dim=2)
+                outs.append(self._attention(q_g, k_g, v_g, bias, _take(flat_keys, rows), _take(flat_values, rows)))
+            h = h + attn.o_proj(_take(torch.cat(outs), token_order)[None])
+            h = h + layer.mlp(_rms_norm(layer.post_attention_layernorm, h))
+            new_kv = qkv[:, q_heads:].transpose(0, 1)  # [2H, T, D]
+            new_keys.append(new_kv[:kv_heads])
+            new_values.append(new_kv[kv_heads:])
+        last = _take(h[0], logit_tokens)[None]
+        logits = self.lm_head(_rms_norm(self.norm, last))[0, :, : self.vocab_size].float()
+        sampled = self.sampler(logits, ban_eos, sample_rows, temperature, top_k, top_p, uniform)
+        return (*sampled, logits, torch.stack(new_keys), torch.stack(new_values))
 
     def _rotary(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq  # [B, S, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # [B, S, 1, D]
-        return emb.cos() * self.rope_scale, emb.sin() * self.rope_scale
+        freqs = position_ids[:, None].float() * self.inv_freq  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
+        return (emb.cos() * self.rope_scale).to(self.dtype), (emb.sin() * self.rope_scale).to(self.dtype)
 
-    @staticmethod
-    def _attention_bias(attention_mask: torch.Tensor, new_len: int) -> torch.Tensor:
-        """Additive bias [1, B, 1, S, P+S]: padding keys and future new tokens are masked.
+    def _attention(self, q, k, v, bias, past_k, past_v):
+        """Grouped-query attention of one group; q [B, S, Hq, D], k/v [B, S, H, D], past [H, B, P, D].
 
-        A large finite negative (not -inf) keeps fully padded rows finite instead of NaN.
+        Returns [B * S, Hq * D], the rows in the group's (row, position) order.
         """
-        total = attention_mask.shape[1]
-        query_pos = torch.arange(new_len, device=attention_mask.device)[:, None] + (total - new_len)
-        key_pos = torch.arange(total, device=attention_mask.device)[None, :]
-        allowed = (key_pos <= query_pos)[None, :, :] & attention_mask[:, None, :].bool()
-        zero = torch.zeros((), dtype=torch.float32)
-        bias = torch.where(allowed, zero, torch.full((), torch.finfo(torch.float32).min))
-        return bias[None, :, None, :, :]
-
-    def _attention(self, attn, x, cos, sin, bias, past_k, past_v):
-        """Grouped-query attention in the cache's [H, B, ., D] layout; past K/V are only read."""
-        b, s, _ = x.shape
+        b, s = q.shape[:2]
         group = self.num_heads // self.num_kv_heads
-        q = attn.q_proj(x).view(b, s, self.num_heads, self.head_dim)
-        k = attn.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
-        v = attn.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
-        q = q * cos + _rotate_half(q) * sin
-        k = (k * cos + _rotate_half(k) * sin).permute(2, 0, 1, 3)  # [H, B, S, D]
-        v = v.permute(2, 0, 1, 3)
         q = q.view(b, s, self.num_kv_heads, group, self.head_dim).permute(2, 0, 3, 1, 4)  # [H, B, G, S, D]
+        k = k.permute(2, 0, 1, 3)  # [H, B, S, D]
+        v = v.permute(2, 0, 1, 3)
         scores = torch.cat(
             (torch.matmul(q, past_k[:, :, None].transpose(-1, -2)), torch.matmul(q, k[:, :, None].transpose(-1, -2))),
             dim=-1,
-        ) * self.scaling + bias  # [H, B, G, S, P+S]
-        probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+        ) * self.scaling  # [H, B, G, S, P+S]
+        probs = torch.softmax(scores.float() + bias, dim=-1).to(v.dtype)
         past_len = past_k.shape[2]
         out = torch.matmul(probs[..., :past_len], past_v[:, :, None])
         out = out + torch.matmul(probs[..., past_len:], v[:, :, None])
-        out = out.permute(1, 3, 0, 2, 4).reshape(b, s, self.num_heads * self.head_dim)  # [B, S, H*G*D]
-        return attn.o_proj(out), k, v
+        return out.permute(1, 3, 0, 2, 4).reshape(b * s, self.num_heads * self.head_dim)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def _attention_bias(attention_mask: torch.Tensor, new_len: int) -> torch.Tensor:
+    """Additive float32 bias [1, B, 1, S, P+S]: padding keys and future new tokens are masked.
+
+    A large finite negative (not -inf) keeps fully padded rows finite instead of NaN.
+    """
+    total = attention_mask.shape[1]
+    query_pos = torch.arange(new_len, device=attention_mask.device)[:, None] + (total - new_len)
+    key_pos = torch.arange(total, device=attention_mask.device)[None, :]
+    allowed = (key_pos <= query_pos)[None, :, :] & attention_mask[:, None, :].bool()
+    zero = torch.zeros((), dtype=torch.float32)
+    bias = torch.where(allowed, zero, torch.full((), torch.finfo(torch.float32).min))
+    return bias[None, :, None, :, :]
+
+
+def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """HF's RMSNorm (float32 statistics, weight applied in the model's dtype), written with a
+    division so that ONNX Runtime fuses it into one SimplifiedLayerNormalization kernel."""
+    xf = x.float()
+    normed = xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * normed.to(x.dtype)
+
+
+def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x[index] along the first axis, for an index of any shape: one flat Gather in ONNX
+    (advanced indexing exports as GatherND plus reshapes, measurably slower)."""
+    return torch.index_select(x, 0, index.reshape(-1)).view(*index.shape, *x.shape[1:])
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin

@@ -1,70 +1,185 @@
 """Always-on verification of the exported step against the Hugging Face model's own forward.
 
 The reference is HF's eager forward on each row's real, unpadded tokens; our step sees the same
-rows padded into one batch, with past keys/values taken from HF's own cache. Comparing logits
-and the new keys/values checks the math, the padding/mask logic and the cache convention at once.
+rows packed into one iteration (decode and prefill rows mixed, in shuffled order), with past
+keys/values taken from HF's own cache and placed at shuffled cache slots among garbage ones.
+Comparing logits and the new keys/values checks the math, the packing and masks and the cache
+convention at once. The sampling outputs are checked too: greedy rows must give exactly the argmax
+of the runtime's logits, sampled rows the token an independent, sort-based reference sampler
+picks from the same logits with the same random number (a draw that lands within a rounding
+error of a boundary between two tokens may go either way: a near-tie, counted apart).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-TOLERANCE = 1e-4
+from export.sampler import CANDIDATES
+
+TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}
 CASES = [(batch, past) for batch in (1, 3, 8) for past in (0, 17, 100)]
 NEW_TOKENS = 5
 GREEDY_TOKENS = 32
 GREEDY_PROMPTS = ("def ", "import os\n", "class Parser:\n    def __init__(self")
+NEAR_TIE = 1e-4  # a draw this close (relative to the total mass) to a token boundary is a near-tie
 
-StepFn = Callable[..., tuple[np.ndarray, np.ndarray, np.ndarray]]
+StepFn = Callable[..., tuple[np.ndarray, ...]]
 
 
 class VerificationError(RuntimeError):
     """The exported step does not reproduce the HF model; the artifacts must not be served."""
 
 
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    ban_eos: bool = False
+    uniform: float = 1.0
+
+
+@dataclass
+class Row:
+    """One sequence in a step: its new tokens on top of cached past tokens at `past_slots`."""
+
+    new_ids: list[int]
+    past_slots: list[int]
+    sampling: Sampling = field(default_factory=Sampling)
+
+    @property
+    def past(self) -> int:
+        return len(self.past_slots)
+
+
+def pack(rows: list[Row], key_cache: np.ndarray, value_cache: np.ndarray) -> dict[str, np.ndarray]:
+    """The step's inputs for `rows`, packed in the given order (see export/step.py)."""
+    decode = [i for i, r in enumerate(rows) if len(r.new_ids) == 1]
+    prefill = [i for i, r in enumerate(rows) if len(r.new_ids) > 1]
+    starts = np.cumsum([0] + [len(r.new_ids) for r in rows])
+    width = max([len(rows[i].new_ids) for i in prefill], default=1)
+    dpast = max([rows[i].past for i in decode], default=0)
+    ppast = max([rows[i].past for i in prefill], default=0)
+    order = np.zeros(starts[-1], np.int64)
+    dec_tokens = np.zeros((len(decode), 1), np.int64)
+    dec_slots = np.zeros((len(decode), dpast), np.int64)
+    dec_mask = np.zeros((len(decode), dpast + 1), bool)
+    for j, i in enumerate(decode):
+        dec_tokens[j, 0] = starts[i]
+        dec_slots[j, : rows[i].past] = rows[i].past_slots
+        dec_mask[j, : rows[i].past] = True
+        dec_mask[j, -1] = True
+        order[starts[i]] = j
+    pre_tokens = np.zeros((len(prefill), width), np.int64)
+    pre_slots = np.zeros((len(prefill), ppast), np.int64)
+    pre_mask = np.zeros((len(prefill), ppast + width), bool)
+    for j, i in enumerate(prefill):
+        n = len(rows[i].new_ids)
+        pre_tokens[j, width - n :] = np.arange(starts[i], starts[i] + n)
+        pre_slots[j, : rows[i].past] = rows[i].past_slots
+        pre_mask[j, : rows[i].past] = True
+        pre_mask[j, ppast + width - n :] = True
+        order[starts[i] : starts[i] + n] = len(decode) + j * width + np.arange(width - n, width)
+    sampled = [i for i, r in enumerate(rows) if r.sampling.temperature > 0 or r.sampling.top_k or r.sampling.top_p < 1]
+    s = [rows[i].sampling for i in sampled]
+    return {
+        "input_ids": np.concatenate([r.new_ids for r in rows]).astype(np.int64),
+        "position_ids": np.concatenate([np.arange(r.past, r.past + len(r.new_ids)) for r in rows]),
+        "decode_tokens": dec_tokens, "decode_slots": dec_slots, "decode_mask": dec_mask,
+        "prefill_tokens": pre_tokens, "prefill_slots": pre_slots, "prefill_mask": pre_mask, "token_order": order,
+        "logit_tokens": starts[1:] - 1,
+        "ban_eos": np.array([r.sampling.ban_eos for r in rows], bool),
+        "sample_rows": np.array(sampled, np.int64),
+        "temperature": np.array([x.temperature for x in s], np.float32),
+        "top_k": np.array([x.top_k for x in s], np.int64),
+        "top_p": np.array([x.top_p for x in s], np.float32),
+        "uniform": np.array([x.uniform for x in s], np.float32),
+        "key_cache": key_cache, "value_cache": value_cache,
+    }
+
+
+# ----- the reference sampler -------------------------------------------------------------------
+
+
+def reference_sample(logits: np.ndarray, s: Sampling, eos_ids: list[int],
+                     candidates: int = CANDIDATES) -> tuple[int, float]:
+    """What the step's sampler must pick, by the definition in export/sampler.py, written the
+    obvious way (a full sort, float64). Returns (token, margin): the margin is how far the draw
+    was from the nearest token boundary, relative to the total mass (small = near-tie)."""
+    x = logits.astype(np.float64).copy()
+    if s.ban_eos:
+        x[[e for e in eos_ids if e < x.size]] = -np.inf
+    if s.temperature == 0:
+        return int(np.argmax(x)), 1.0
+    weights = np.exp((x - x.max()) / s.temperature)
+    restricted = s.top_k > 0 or s.top_p < 1
+    if not restricted:  # inverse CDF over the whole vocabulary, in vocabulary order
+        order = np.arange(x.size)
+    else:  # top_k, then top_p over the renormalised top_k, among the `candidates` most likely
+        order = np.argsort(-x, kind="stable")[: min(candidates, x.size)]
+        k = min(s.top_k, order.size) if s.top_k > 0 else order.size
+        kept = weights[order[:k]]
+        mass = kept.sum() if s.top_k > 0 else weights.sum()
+        before = np.cumsum(kept) - kept
+        order = order[:k][before < s.top_p * mass]
+    w = weights[order]
+    cumulative = np.cumsum(w)
+    target = s.uniform * cumulative[-1]
+    index = int(min(np.searchsorted(cumulative, target, side="left"), order.size - 1))
+    lower = cumulative[index - 1] if index else 0.0
+    margin = min(target - lower, cumulative[index] - target) / cumulative[-1]
+    return int(order[index]), float(margin)
+
+
+# ----- logits and new K/V ----------------------------------------------------------------------
+
+
 @dataclass
 class CaseResult:
     batch: int
     past: int
-    padded: bool
     max_diff: dict[str, float]  # runtime -> max |Δlogits| (and Δkv) against HF
+    sampled: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # runtime -> (checked, equal, near-ties)
 
 
 @dataclass
 class Case:
-    """A padded batch: row i has `past_lens[i]` cached and `new_lens[i]` new tokens."""
-
     feeds: dict[str, np.ndarray]
+    rows: list[Row]
     ref_logits: np.ndarray
     ref_new_kv: list[tuple[np.ndarray, np.ndarray]]  # per row: [L, H, s, D] keys/values of its new tokens
-    new_lens: list[int]
+
+
+def _sampling_for(i: int, rng: np.random.Generator) -> Sampling:
+    """Every kind of row: greedy, greedy with EOS banned, temperature, top_k, top_p, both."""
+    kinds = [Sampling(), Sampling(ban_eos=True), Sampling(temperature=0.8), Sampling(temperature=1.0, top_k=5),
+             Sampling(temperature=1.0, top_p=0.9), Sampling(temperature=0.7, top_k=40, top_p=0.95, ban_eos=True),
+             Sampling(temperature=1.3), Sampling(temperature=1.0, top_k=1000)]
+    base = kinds[i % len(kinds)]
+    return Sampling(base.temperature, base.top_k, base.top_p, base.ban_eos, float(1.0 - rng.random()))
 
 
 def make_case(hf_model, batch: int, past: int, rng: np.random.Generator) -> Case:
-    """Rows of different lengths; their cached K/V (from HF's own cache) sit at shuffled cache
-    slots among garbage slots, so the test also covers the slot indirection and the masks."""
+    """Rows of different past and new lengths (decode rows among prefill rows, shuffled), their
+    cached K/V (from HF's own cache) at shuffled cache slots among garbage slots."""
     cfg = hf_model.config
     layers, heads = cfg.num_hidden_layers, cfg.num_key_value_heads
     head_dim = hf_model.model.layers[0].self_attn.head_dim
     past_lens = [past - (i * 7) % (past + 1) for i in range(batch)]
-    new_lens = [max(1, NEW_TOKENS - i % 3) for i in range(batch)]
+    new_lens = [max(1, NEW_TOKENS - i % 5) for i in range(batch)]  # 5, 4, 3, 2, 1, ...
     num_slots = sum(past_lens) + 11
     order = rng.permutation(num_slots)
     key_cache = rng.standard_normal((layers, heads, num_slots, head_dim)).astype(np.float32)
     value_cache = rng.standard_normal((layers, heads, num_slots, head_dim)).astype(np.float32)
-    ids = np.zeros((batch, NEW_TOKENS), np.int64)
-    pos = np.zeros((batch, NEW_TOKENS), np.int64)
-    mask = np.zeros((batch, past + NEW_TOKENS), bool)
-    past_slots = np.full((batch, past), num_slots - 1, np.int64)  # padding points at a garbage slot
-    ref_logits, ref_kv, used = [], [], 0
+    rows, ref_logits, ref_kv, used = [], [], [], 0
     for i, (p, s) in enumerate(zip(past_lens, new_lens)):
-        row = torch.from_numpy(rng.integers(0, cfg.vocab_size, size=p + s))
+        ids = torch.from_numpy(rng.integers(0, cfg.vocab_size, size=p + s))
         with torch.no_grad():
-            full = hf_model(input_ids=row[None], use_cache=True)
+            full = hf_model(input_ids=ids[None], use_cache=True)
         ref_logits.append(full.logits[0, -1].float().numpy())
         keys = np.stack([layer.keys[0].float().numpy() for layer in full.past_key_values.layers])  # [L,H,T,D]
         values = np.stack([layer.values[0].float().numpy() for layer in full.past_key_values.layers])
@@ -72,74 +187,77 @@ def make_case(hf_model, batch: int, past: int, rng: np.random.Generator) -> Case
         used += p
         key_cache[:, :, slots] = keys[:, :, :p]
         value_cache[:, :, slots] = values[:, :, :p]
-        past_slots[i, :p] = slots
+        rows.append(Row(ids[p:].tolist(), slots.tolist(), _sampling_for(i, rng)))
         ref_kv.append((keys[:, :, p:], values[:, :, p:]))
-        ids[i, NEW_TOKENS - s :] = row[p:].numpy()
-        pos[i, NEW_TOKENS - s :] = np.arange(p, p + s)
-        mask[i, :p] = True
-        mask[i, past + NEW_TOKENS - s :] = True
-    feeds = {"input_ids": ids, "position_ids": pos, "attention_mask": mask, "past_slots": past_slots,
-             "key_cache": key_cache, "value_cache": value_cache}
-    return Case(feeds, np.stack(ref_logits), ref_kv, new_lens)
+    shuffle = rng.permutation(batch)  # packed order is the engine's choice, not group order
+    rows = [rows[i] for i in shuffle]
+    feeds = pack(rows, key_cache, value_cache)
+    return Case(feeds, rows, np.stack(ref_logits)[shuffle], [ref_kv[i] for i in shuffle])
 
 
-def case_error(case: Case, run: StepFn) -> float:
-    logits, new_k, new_v = run(**case.feeds)
-    err = float(np.abs(logits - case.ref_logits).max())
-    for i, s in enumerate(case.new_lens):
+def case_error(case: Case, outputs: tuple[np.ndarray, ...]) -> float:
+    *_, logits, new_k, new_v = outputs
+    err = float(np.abs(logits - case.ref_logits[:, : logits.shape[1]]).max())
+    start = 0
+    for i, row in enumerate(case.rows):
         ref_k, ref_v = case.ref_new_kv[i]
-        err = max(err, float(np.abs(new_k[:, :, i, -s:] - ref_k).max()),
-                  float(np.abs(new_v[:, :, i, -s:] - ref_v).max()))
+        end = start + len(row.new_ids)
+        err = max(err, float(np.abs(new_k[:, :, start:end] - ref_k).max()),
+                  float(np.abs(new_v[:, :, start:end] - ref_v).max()))
+        start = end
     return err
 
 
-def verify_logits(hf_model, runtimes: dict[str, StepFn], seed: int = 0) -> list[CaseResult]:
+def sampling_agreement(case: Case, outputs: tuple[np.ndarray, ...], eos_ids: list[int]) -> tuple[int, int, int]:
+    """(rows checked, rows equal to the reference sampler, near-ties among the others)."""
+    next_tokens, logits = outputs[0], outputs[4]
+    equal = ties = 0
+    for i, row in enumerate(case.rows):
+        token, margin = reference_sample(logits[i], row.sampling, eos_ids)
+        if token == int(next_tokens[i]):
+            equal += 1
+        elif margin < NEAR_TIE:
+            ties += 1
+    return len(case.rows), equal, ties
+
+
+def verify_logits(hf_model, runtimes: dict[str, StepFn], eos_ids: list[int], seed: int = 0) -> list[CaseResult]:
     rng = np.random.default_rng(seed)
     results = []
     for batch, past in CASES:
         case = make_case(hf_model, batch, past, rng)
-        diffs = {name: case_error(case, run) for name, run in runtimes.items()}
-        results.append(CaseResult(batch, past, batch > 1, diffs))
+        outputs = {name: run(**case.feeds) for name, run in runtimes.items()}
+        results.append(CaseResult(batch, past, {n: case_error(case, o) for n, o in outputs.items()},
+                                  {n: sampling_agreement(case, o, eos_ids) for n, o in outputs.items()}))
     return results
 
 
-def greedy_with_step(
-    run: StepFn, prompt_ids: list[int], new_tokens: int, kv_shape: tuple[int, ...], suppress: list[int]
-) -> list[int]:
-    """Plain greedy loop over the step: one prefill, then one token per call.
+# ----- greedy generation -----------------------------------------------------------------------
 
-    `suppress` (the EOS ids) is masked as HF's `min_new_tokens` does, so both run full length.
-    """
+
+def greedy_with_step(run: StepFn, prompt_ids: list[int], new_tokens: int, kv_shape: tuple[int, ...],
+                     eos_ids: list[int], dtype: np.dtype) -> list[int]:
+    """Plain greedy loop over the step: one prefill row, then one decode row per token, with the
+    EOS ids banned (as HF's `min_new_tokens` does) so that both run full length."""
     layers, heads, head_dim = kv_shape
     total = len(prompt_ids) + new_tokens
-    key_cache = np.zeros((layers, heads, total, head_dim), np.float32)
+    key_cache = np.zeros((layers, heads, total, head_dim), dtype)
     value_cache = np.zeros_like(key_cache)
     out: list[int] = []
-    feed, n_past = list(prompt_ids), 0
+    feed = list(prompt_ids)
     for _ in range(new_tokens):
-        s = len(feed)
-        logits, k, v = run(
-            input_ids=np.asarray([feed], np.int64),
-            position_ids=np.arange(n_past, n_past + s, dtype=np.int64)[None],
-            attention_mask=np.ones((1, n_past + s), bool),
-            past_slots=np.arange(n_past, dtype=np.int64)[None],
-            key_cache=key_cache,
-            value_cache=value_cache,
-        )
-        key_cache[:, :, n_past : n_past + s] = k[:, :, 0]
-        value_cache[:, :, n_past : n_past + s] = v[:, :, 0]
-        n_past += s
-        scores = logits[0].copy()
-        scores[suppress] = -np.inf
-        token = int(np.argmax(scores))
-        out.append(token)
-        feed = [token]
+        n_past = len(prompt_ids) + len(out) - len(feed)
+        row = Row(feed, list(range(n_past)), Sampling(ban_eos=True))
+        next_tokens, *_, k, v = run(**pack([row], key_cache, value_cache))
+        key_cache[:, :, n_past : n_past + len(feed)] = k
+        value_cache[:, :, n_past : n_past + len(feed)] = v
+        out.append(int(next_tokens[0]))
+        feed = [out[-1]]
     return out
 
 
-def verify_greedy(
-    hf_model, encode: Callable[[str], list[int]], eos_ids: list[int], runtimes: dict[str, StepFn]
-) -> dict[str, dict[str, bool]]:
+def verify_greedy(hf_model, encode: Callable[[str], list[int]], eos_ids: list[int], runtimes: dict[str, StepFn],
+                  cache_dtype: np.dtype = np.float32) -> dict[str, dict[str, bool]]:
     """HF `generate` (greedy, EOS ignored) vs our step loop, token for token, per prompt."""
     cfg = hf_model.config
     kv_shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, hf_model.model.layers[0].self_attn.head_dim)
@@ -151,6 +269,6 @@ def verify_greedy(
                 torch.tensor([ids]), max_new_tokens=GREEDY_TOKENS, min_new_tokens=GREEDY_TOKENS,
                 do_sample=False, eos_token_id=eos_ids or None, pad_token_id=(eos_ids or [0])[0],
             )[0, len(ids) :].tolist()
-        results[prompt] = {name: greedy_with_step(run, ids, GREEDY_TOKENS, kv_shape, eos_ids) == ref
+        results[prompt] = {name: greedy_with_step(run, ids, GREEDY_TOKENS, kv_shape, eos_ids, cache_dtype) == ref
                            for name, run in runtimes.items()}
     return results

@@ -11,6 +11,9 @@ time to first token for:
   hf-generate   Hugging Face `generate` on padded batches of `concurrency` prompts, in-process
   ceiling       the bare runner: output tokens / runner-busy seconds of the in-process
                 continuous engine at the same concurrency (the batch sizes the server ran)
+  continuous-sampled, ceiling-sampled
+                the same two with sampled requests (temperature 1.0, top_p 0.95), as most real
+                traffic is; the others are greedy
 
 Served systems are called through the project's own AsyncBatchClient: `batchstring([prompt])`
 like users do, except every STREAM_EVERY-th request, which streams and supplies the TTFT samples
@@ -44,12 +47,16 @@ from server.stats import batch_stats, metrics
 
 CONCURRENCY = (1, 4, 16, 64)
 STREAM_EVERY = 4
+SAMPLED = {"temperature": 1.0, "top_p": 0.95}
+GREEDY = {"temperature": 0.0}
 SERVED = {
     "no-batching": {"params": {"max_num_seqs": "1"}, "edit": lambda c: c.ClearField("dynamic_batching")},
     "static": {"params": {"scheduling": "static"}},
     "continuous": {"params": {}},
+    "continuous-sampled": {"params": {}, "sampling": SAMPLED},
 }
-SYSTEMS = ("no-batching", "static", "continuous", "seed-asyncio", "hf-generate", "ceiling")
+SYSTEMS = ("no-batching", "static", "continuous", "continuous-sampled", "seed-asyncio", "hf-generate", "ceiling",
+           "ceiling-sampled")
 
 
 @dataclass
@@ -113,6 +120,7 @@ class Served:
 
     def __init__(self, name: str, queue_delay_us: int | None) -> None:
         spec = SERVED[name]
+        self.sampling = spec.get("sampling", GREEDY)
 
         def edit(config) -> None:
             if "edit" in spec:
@@ -127,11 +135,13 @@ class Served:
         async with AsyncBatchClient(self.server.grpc_url, max_in_flight=512) as client:
             async def call(index: int, item: Item) -> float | None:
                 if index % STREAM_EVERY:
-                    await client.batchstring([item.prompt], max_tokens=item.max_tokens, ignore_eos=True)
+                    await client.batchstring([item.prompt], max_tokens=item.max_tokens, ignore_eos=True,
+                                             **self.sampling)
                     return None
                 began = time.perf_counter()
                 first = None
-                async for _ in client.stream(item.prompt, max_tokens=item.max_tokens, ignore_eos=True):
+                async for _ in client.stream(item.prompt, max_tokens=item.max_tokens, ignore_eos=True,
+                                             **self.sampling):
                     first = first or time.perf_counter() - began
                 return first
 
@@ -197,34 +207,24 @@ class Ceiling:
     """The in-process continuous engine at the same concurrency, timed at the runner only:
     output tokens / seconds the runner was busy, at the batch sizes this scheduler forms."""
 
-    def __init__(self) -> None:
+    def __init__(self, sampling: dict = GREEDY) -> None:
+        self.sampling = sampling
         self.extra: dict = {}
 
     def measure(self, items: list[Item], concurrency: int) -> tuple[list[Sample], float]:
         engine = Engine(EngineConfig(model_dir=MODEL_VERSION_DIR))
-        busy = [0.0]
-        step = engine.runner.step
-
-        def timed(batch):
-            began = time.perf_counter()
-            try:
-                return step(batch)
-            finally:
-                busy[0] += time.perf_counter() - began
-
-        engine.runner.step = timed
         pending, live = list(reversed(items)), []
         while pending or live:
             while pending and len(live) < concurrency:
                 item = pending.pop()
-                params = SamplingParams(max_tokens=item.max_tokens, temperature=0.0, ignore_eos=True)
+                params = SamplingParams(max_tokens=item.max_tokens, ignore_eos=True, **self.sampling)
                 seq = engine.make_sequence(item.prompt, params, lambda out: None)
                 engine.scheduler.add(seq)
                 live.append(seq)
             engine.step()
             live = [s for s in live if not s.finished]
         self.extra = {"engine_step_batch": engine.stats.step_seqs / engine.stats.steps}
-        return [Sample(float("nan"), None, item.max_tokens) for item in items], busy[0]
+        return [Sample(float("nan"), None, item.max_tokens) for item in items], engine.stats.runner_seconds
 
     def close(self) -> None:
         pass
@@ -233,7 +233,8 @@ class Ceiling:
 def build(system: str, args: argparse.Namespace):
     if system in SERVED:
         return Served(system, args.queue_delay_us)
-    return {"seed-asyncio": SeedAsyncio, "hf-generate": HFGenerateSystem, "ceiling": Ceiling}[system]()
+    return {"seed-asyncio": SeedAsyncio, "hf-generate": HFGenerateSystem, "ceiling": Ceiling,
+            "ceiling-sampled": lambda: Ceiling(SAMPLED)}[system]()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -269,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
         for system in systems.values():
             system.close()
     for p in points:
-        if p.system == "ceiling":
+        if p.system.startswith("ceiling"):
             p.p50_s = p.p90_s = p.p99_s = float("nan")  # a throughput reference, not a latency
     from loadtest.report import markdown_table, plot
 

@@ -1,10 +1,14 @@
-"""`batchstring engine-bench`: static vs continuous scheduling in-process, and the runner's ceiling.
+"""`batchstring engine-bench`: the in-process engine, without any serving cost.
 
-Two measurements per mode, on the same items:
-- saturation: every request queued at t=0; output tokens/s over the whole run;
-- latency: the same items arriving as a Poisson stream at one common rate (a fraction of the
-  continuous engine's saturated request rate); p50/p99 request latency and time to first token.
-Then the raw runner: decode-step throughput at batch sizes 1..64, the reference ceiling.
+Sections (`--only` picks some):
+- scheduling: static vs continuous on the same items. Saturation (every request queued at t=0;
+  output tokens/s) and latency (the same items as a Poisson stream at a common rate, a fraction of
+  the continuous engine's saturated request rate; p50/p99 latency and time to first token).
+- ceiling: the bare runner's decode-step throughput at batch sizes 1..64.
+- host: host (Python) time per step next to runner time, per sampling mode, at batch 1 and 64
+  (loadtest/host_overhead.py).
+- vocab: the host table again on a random small Llama with a 128k-token vocabulary, exported
+  through `batchstring export --model` (built once under results/).
 """
 
 from __future__ import annotations
@@ -21,15 +25,20 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
+from engine.batch import Work, build_step
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.output import RequestOutput
 from engine.sampling import SamplingParams
-from engine.sequence import RequestOutput, Sequence
+from engine.sequence import Sequence
 from export.layout import MODEL_VERSION_DIR
+from loadtest import host_overhead
 from loadtest.workload import Item, mixed
 
 MODES = ("static", "continuous")
 CEILING_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+SECTIONS = ("scheduling", "ceiling", "host", "vocab")
+VOCAB = 128256  # Llama 3's vocabulary size
 
 
 @dataclass
@@ -119,23 +128,19 @@ def run_mode(model_dir: Path, mode: str, items: list[Item], arrivals: np.ndarray
 
 
 def runner_ceiling(model_dir: Path, past: int = 128, steps: int = 20) -> dict[int, float]:
-    """Decode tokens/s of the bare runner (no scheduling, sampling or detokenisation)."""
-    from engine.runner import build_batch
-
+    """Decode tokens/s of the bare runner (no scheduling, no building of inputs, no responses)."""
     engine = Engine(EngineConfig(model_dir=model_dir, max_num_seqs=max(CEILING_BATCHES)))
-    prompt = "x" * 4096
-    ids = engine.codec.encode(prompt)[:past]
+    ids = engine.codec.encode("x" * 4096)[:past]
     result = {}
     for batch in tqdm(CEILING_BATCHES, desc="runner ceiling", leave=False):
-        seqs = [engine.make_sequence("x", SamplingParams(max_tokens=8), lambda o: None) for _ in range(batch)]
+        seqs = [engine.make_sequence("x", SamplingParams(max_tokens=8, temperature=0.0), lambda o: None)
+                for _ in range(batch)]
         for s in seqs:
-            s.prompt_ids = list(ids)
+            s.prompt_ids, s.output_ids = list(ids), [0]
             engine.blocks.grow(s, past + 1)
-        engine.runner.step(build_batch(seqs, engine.blocks.block_size))  # prefill
-        for s in seqs:
             s.num_cached = past
-            s.output_ids = [0]
-        step_batch = build_batch(seqs, engine.blocks.block_size)
+        step_batch = build_step([Work(s, 1) for s in seqs], engine.blocks)
+        engine.runner.step(step_batch)
         timings = []
         for _ in range(steps):
             t = time.perf_counter()
@@ -147,29 +152,67 @@ def runner_ceiling(model_dir: Path, past: int = 128, steps: int = 20) -> dict[in
     return result
 
 
+def vocab_model(path: Path | None) -> Path:
+    """The exported 128k-vocabulary model: `path` if given, else built once under results/."""
+    if path:
+        return path
+    root = Path("results") / "vocab128k"
+    exported = root / "exported"
+    if not (exported / "runtime.json").exists():
+        from export.exporter import export_model
+        from export.synthetic import random_checkpoint, small_llama_config
+
+        checkpoint = random_checkpoint(root / "checkpoint", small_llama_config(VOCAB))
+        export_model(checkpoint, exported)
+    return exported
+
+
 def run(args: argparse.Namespace) -> int:
     console = Console(width=130)
     model_dir = MODEL_VERSION_DIR
-    items = mixed(args.requests, seed=args.seed)
-    engine_args = {"max_num_seqs": args.max_num_seqs}
-    zero = np.zeros(len(items))
-    results = [run_mode(model_dir, mode, items, zero, "saturated", **engine_args) for mode in MODES]
-    continuous = results[1]
-    rate = args.load * continuous.requests / continuous.seconds
-    arrivals = np.cumsum(np.random.default_rng(args.seed).exponential(1 / rate, size=len(items)))
-    results += [run_mode(model_dir, mode, items, arrivals, "poisson", **engine_args) for mode in MODES]
-    ceiling = runner_ceiling(model_dir)
-    report(console, results, ceiling, rate)
+    sections = args.only or SECTIONS
+    report_data: dict = {}
+    if "scheduling" in sections:
+        items = mixed(args.requests, seed=args.seed)
+        engine_args = {"max_num_seqs": args.max_num_seqs}
+        zero = np.zeros(len(items))
+        results = [run_mode(model_dir, mode, items, zero, "saturated", **engine_args) for mode in MODES]
+        continuous = results[1]
+        rate = args.load * continuous.requests / continuous.seconds
+        arrivals = np.cumsum(np.random.default_rng(args.seed).exponential(1 / rate, size=len(items)))
+        results += [run_mode(model_dir, mode, items, arrivals, "poisson", **engine_args) for mode in MODES]
+        report(console, results, rate)
+        report_data["runs"] = [asdict(r) for r in results]
+        report_data.update(requests=args.requests, load=args.load)
+    if "ceiling" in sections:
+        ceiling = runner_ceiling(model_dir)
+        report_ceiling(console, ceiling)
+        report_data["ceiling_tokens_per_s"] = ceiling
+    for section, path in (("host", model_dir), ("vocab", None)):
+        if section not in sections:
+            continue
+        path = path or vocab_model(args.vocab_model)
+        bar = tqdm(total=len(host_overhead.MODES) * 2, desc=f"host time ({section})", unit="run", leave=False)
+        hosts = host_overhead.sweep(path, progress=bar.update)
+        bar.close()
+        report_host(console, hosts, describe_model(path))
+        report_data[section] = [{**asdict(h), "share": h.share, "of_runner": h.of_runner} for h in hosts]
+    if args.profile:
+        console.print(host_overhead.profile_host(model_dir, out=args.profile))
+        console.print(f"cProfile stats written to {args.profile} (python -m pstats {args.profile})")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"runs": [asdict(r) for r in results],
-                                        "ceiling_tokens_per_s": ceiling,
-                                        "requests": args.requests, "load": args.load}, indent=2))
+        args.out.write_text(json.dumps(report_data, indent=2))
         console.print(f"wrote {args.out}")
     return 0
 
 
-def report(console: Console, results: list[RunResult], ceiling: dict[int, float], rate: float) -> None:
+def describe_model(path: Path) -> str:
+    spec = json.loads((path / "runtime.json").read_text())
+    return f"{spec['source']}: {spec['num_layers']} layers, vocabulary {spec['vocab_size']}"
+
+
+def report(console: Console, results: list[RunResult], rate: float) -> None:
     table = Table(title=f"in-process engine, {results[0].requests} requests (prompts 8-200 tokens, max_tokens "
                         f"8-256, greedy): saturated = all queued at t=0; poisson = {rate:.1f} req/s")
     for col in ("scenario", "mode", "out tok/s", "p50 latency", "p99 latency", "p50 TTFT", "mean step batch"):
@@ -187,6 +230,9 @@ def report(console: Console, results: list[RunResult], ceiling: dict[int, float]
     ratios.add_row("p99 latency under Poisson load (static / continuous)",
                    f"{by['poisson', 'static'].p99_latency_s / by['poisson', 'continuous'].p99_latency_s:.2f}x lower")
     console.print(ratios)
+
+
+def report_ceiling(console: Console, ceiling: dict[int, float]) -> None:
     ceil = Table(title="runner ceiling: decode tokens/s at past = 128 (no scheduling)")
     ceil.add_column("batch", justify="right")
     ceil.add_column("tokens/s", justify="right")
@@ -195,7 +241,21 @@ def report(console: Console, results: list[RunResult], ceiling: dict[int, float]
     console.print(ceil)
 
 
+def report_host(console: Console, hosts: list[host_overhead.HostResult], model: str) -> None:
+    table = Table(title=f"host vs runner time per step ({model}; {host_overhead.MAX_TOKENS} tokens per "
+                        "sequence, median of 3)")
+    for col in ("sampling", "batch", "runner ms/step", "host ms/step", "host share", "host / runner"):
+        table.add_column(col, justify="right")
+    for h in hosts:
+        table.add_row(h.mode, str(h.batch), f"{h.runner_ms:.2f}", f"{h.host_ms:.2f}", f"{h.share:.1%}",
+                      f"{h.of_runner:.1%}")
+    console.print(table)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--only", nargs="*", choices=SECTIONS, help="run only these sections (default: all)")
+    p.add_argument("--vocab-model", type=Path, help="exported model for the vocab section (default: built)")
+    p.add_argument("--profile", type=Path, help="also cProfile the engine (top_p 0.95, batch 64) into this file")
     p.add_argument("--requests", type=int, default=192, help="items per run")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--load", type=float, default=0.7,

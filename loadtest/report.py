@@ -23,7 +23,8 @@ def markdown_table(points) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     order = list(dict.fromkeys(q.system for q in points))
     for p in sorted(points, key=lambda p: (p.concurrency, order.index(p.system))):
-        base, ceiling = by.get(("no-batching", p.concurrency)), by.get(("ceiling", p.concurrency))
+        reference = "ceiling-sampled" if p.system.endswith("-sampled") else "ceiling"  # same sampling
+        base, ceiling = by.get(("no-batching", p.concurrency)), by.get((reference, p.concurrency))
         cells = [
             p.system, str(p.concurrency), f"{p.tokens_per_s:.0f}", f"{p.requests_per_s:.2f}",
             _s(p.p50_s), _s(p.p90_s), _s(p.p99_s), _s(p.ttft_p50_s),

@@ -8,8 +8,9 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.output import RequestOutput
 from engine.sampling import SamplingParams
-from engine.sequence import RequestOutput, Sequence
+from engine.sequence import Sequence
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 

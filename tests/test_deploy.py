@@ -142,3 +142,15 @@ def test_discovery_expands_a_name_to_every_address(monkeypatch):
         "10.0.0.8:8001": "batchstring-headless.default.svc",
         "[fd00::9]:8001": "batchstring-headless.default.svc",
     }
+
+
+def test_every_file_the_dockerfile_copies_from_the_repository_exists():
+    root = DOCKER.parent
+    copies = []
+    for line in (DOCKER / "Dockerfile").read_text().splitlines():
+        words = line.split()
+        if words[:1] == ["COPY"] and not any(w.startswith("--from") for w in words):
+            copies += [w for w in words[1:-1] if not w.startswith("--")]  # every source; the last word is the target
+    assert len(copies) >= 7
+    missing = [c for c in copies if not (root / c).exists()]
+    assert missing == [], f"the Dockerfile copies files that are not in the repository: {missing}"

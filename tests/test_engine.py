@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
+import numpy as np
 import pytest
 
+from engine.batch import sampling_inputs
+from engine.engine import CANCEL_CHECK_SECONDS
 from engine.errors import InvalidRequest
 from engine.sampling import SamplingParams
 from engine.sequence import Status
@@ -116,7 +121,7 @@ def test_include_input_prefixes_the_prompt_once(model_dir):
         sink = Collector()
         s = eng.make_sequence("import os\n", GREEDY, sink, stream=stream, include_input=True)
         eng.generate([s])
-        assert sink.text(s) == "import os\n" + s.text
+        assert sink.text(s) == "import os\n" + s.output.text
 
 
 def test_one_poisoned_request_fails_alone_and_the_others_complete(model_dir, prompts, reference):
@@ -130,10 +135,10 @@ def test_one_poisoned_request_fails_alone_and_the_others_complete(model_dir, pro
     assert finals[-1].finish_reason == "error" and "out of memory" in finals[-1].error
     assert [s.output_ids for s in seqs[:15]] == reference[:15]
     assert eng.stats.failures_isolated == 1 and eng.stats.oom_events >= 1
-    assert eng.scheduler.step_cap < eng.config.max_num_seqs, "after an OOM the step size is lowered"
+    assert eng.scheduler.admit_cap == eng.config.max_num_seqs, "a failure isolated to one request costs nobody"
 
 
-def test_cancelled_request_stops_within_one_iteration_and_frees_its_cache(model_dir):
+def test_cancelled_request_stops_within_the_check_interval_and_frees_its_cache(model_dir):
     eng = engine(model_dir)
     sink = Collector()
     cancelled = {"flag": False}
@@ -144,6 +149,7 @@ def test_cancelled_request_stops_within_one_iteration_and_frees_its_cache(model_
         eng.step()
     assert s.status is Status.RUNNING and eng.blocks.num_free < eng.blocks.num_blocks
     cancelled["flag"] = True
+    time.sleep(CANCEL_CHECK_SECONDS)
     eng.step()
     assert s.finished and sink.final(s).finish_reason == "abort"
     assert eng.blocks.num_free == eng.blocks.num_blocks and eng.stats.cancelled == 1
@@ -177,3 +183,56 @@ def test_torchscript_runtime_generates_the_same_greedy_tokens(model_dir, prompts
     eng = engine(model_dir, runtime="torchscript")
     seqs, _ = interleave(eng, prompts[:16])
     assert [s.output_ids for s in seqs] == reference[:16]
+
+
+SEEDED = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True)
+
+
+def test_a_seeded_sampled_request_gives_the_same_tokens_alone_and_among_forty_others(model_dir, prompts):
+    eng = engine(model_dir)
+    solo = eng.make_sequence(prompts[3], SEEDED, lambda o: None)
+    eng.generate([solo])
+    others = [eng.make_sequence(p, SamplingParams(max_tokens=8 + i % 20, temperature=0.9, top_k=50 * (i % 2),
+                                                  seed=i if i % 3 else None, ignore_eos=True), lambda o: None)
+              for i, p in enumerate(prompts[:40])]
+    seeded = eng.make_sequence(prompts[3], SEEDED, lambda o: None)
+    for s in others[:25]:  # the seeded one joins a running crowd, at another position in the batch
+        eng.scheduler.add(s)
+    for _ in range(3):
+        eng.step()
+    eng.scheduler.add(seeded)
+    for s in others[25:]:
+        eng.scheduler.add(s)
+    while not all(s.finished for s in [*others, seeded]):
+        eng.step()
+    assert max(eng.stats.step_sizes) >= 20, "the seeded request must really share steps with many others"
+    assert seeded.output_ids == solo.output_ids
+    other_seed = eng.make_sequence(prompts[3], SamplingParams(**{**SEEDED.__dict__, "seed": 99}), lambda o: None)
+    eng.generate([other_seed])
+    assert other_seed.output_ids != solo.output_ids, "a different seed must sample differently"
+
+
+def test_the_step_bans_the_end_of_sequence_until_min_tokens_and_seeds_draw_their_own_numbers(model_dir):
+    eng = engine(model_dir)
+    params = [SamplingParams(min_tokens=3), SamplingParams(min_tokens=3, ignore_eos=True),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, seed=11)]
+    seqs = [eng.make_sequence("x", p, lambda o: None) for p in params]
+    for s, generated in zip(seqs, (2, 2, 0, 5)):
+        s.output_ids = [1] * generated
+    feeds = sampling_inputs(seqs, np.random.default_rng(0))
+    assert feeds["ban_eos"].tolist() == [True, False, False, False]
+    assert feeds["sample_rows"].tolist() == [0, 1, 3]  # the greedy row needs no sampling
+    assert feeds["uniform"][2] == np.float32(1.0 - np.random.default_rng(11).random())
+
+
+def test_logprobs_come_with_each_generated_token(model_dir):
+    eng = engine(model_dir)
+    sink = Collector()
+    s = eng.make_sequence("def ", SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, ignore_eos=True), sink)
+    eng.generate([s])
+    entries = sink.final(s).logprobs
+    assert [e["token_id"] for e in entries] == s.output_ids
+    for e in entries:
+        assert len(e["top_logprobs"]) == 3 and e["logprob"] <= 0
+        assert e["top_logprobs"][0]["token_id"] == e["token_id"], "greedy picks the most likely token"
+        assert e["top_logprobs"][0]["logprob"] >= e["top_logprobs"][1]["logprob"] >= e["top_logprobs"][2]["logprob"]

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from export import artifacts
 from export.step import DecoderStep, UnsupportedModel, check_supported
 from export.verify import VerificationError
 
@@ -50,24 +51,30 @@ def test_dynamic_axes_are_really_dynamic(exported_tiny, tiny_checkpoint):
     import onnxruntime as ort
     from transformers import AutoModelForCausalLM
 
+    from export.verify import Row, Sampling, pack
+
     out, _ = exported_tiny
     session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
-    step = DecoderStep(AutoModelForCausalLM.from_pretrained(tiny_checkpoint, attn_implementation="eager")).eval()
+    step = DecoderStep(AutoModelForCausalLM.from_pretrained(tiny_checkpoint, attn_implementation="eager"), [0]).eval()
     rng = np.random.default_rng(0)
-    b, s, p, n = 5, 3, 33, 200  # shapes never seen at export time
-    feeds = {
-        "input_ids": rng.integers(0, 4096, (b, s)),
-        "position_ids": np.tile(np.arange(p, p + s), (b, 1)),
-        "attention_mask": np.ones((b, p + s), bool),
-        "past_slots": rng.permutation(n)[: b * p].reshape(b, p),
-        "key_cache": rng.standard_normal((2, 2, n, 16)).astype(np.float32),
-        "value_cache": rng.standard_normal((2, 2, n, 16)).astype(np.float32),
-    }
-    logits, new_k, _ = session.run(None, feeds)
+    n = 200
+    slots = rng.permutation(n)
+    # shapes never seen at export time: 3 decode rows, 4 prefill rows of 2..9 new tokens, pasts up to 33
+    lengths = [(33, 1), (0, 1), (17, 1), (5, 9), (0, 2), (33, 4), (1, 7)]
+    rows, used = [], 0
+    for i, (past, new) in enumerate(lengths):
+        rows.append(Row(rng.integers(0, 4096, new).tolist(), slots[used : used + past].tolist(),
+                        Sampling(temperature=float(i % 2), uniform=0.5)))
+        used += past
+    feeds = pack(rows, rng.standard_normal((2, 2, n, 16)).astype(np.float32),
+                 rng.standard_normal((2, 2, n, 16)).astype(np.float32))
+    outputs = session.run(None, feeds)
     with torch.no_grad():
-        ref = step(*(torch.from_numpy(v) for v in feeds.values()))[0].numpy()
-    assert logits.shape == (5, 4096) and new_k.shape == (2, 2, 5, 3, 16)
-    assert np.abs(logits - ref).max() < 1e-4
+        ref = step(*(torch.from_numpy(feeds[name]) for name in artifacts.INPUT_NAMES))
+    tokens = sum(new for _, new in lengths)
+    assert outputs[4].shape == (7, 4096) and outputs[5].shape == (2, 2, tokens, 16)
+    assert np.abs(outputs[4] - ref[4].numpy()).max() < 1e-4
+    assert (outputs[0] == ref[0].numpy()).all()
 
 
 def test_verification_catches_perturbed_weights(tiny_checkpoint):
@@ -80,7 +87,7 @@ def test_verification_catches_perturbed_weights(tiny_checkpoint):
     perturbed = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, attn_implementation="eager").eval()
     with torch.no_grad():
         perturbed.model.layers[1].mlp.down_proj.weight.add_(1e-2)
-    cases = verify_logits(reference, {"perturbed step": _eager(DecoderStep(perturbed).eval())})
+    cases = verify_logits(reference, {"perturbed step": _eager(DecoderStep(perturbed, [0]).eval())}, [0])
     with pytest.raises(VerificationError, match="does not match"):
         report(_NullConsole(), cases, {"def ": {"perturbed step": True}})
 

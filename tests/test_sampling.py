@@ -1,14 +1,18 @@
-"""sampling_parameters validation (vLLM-compatible) and the sampler."""
+"""sampling_parameters validation (vLLM-compatible) and the sampling head of the exported step."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
+import torch
 
 from engine.errors import InvalidRequest
-from engine.sampling import Sampler, SamplingParams, parse_sampling_parameters
+from engine.sampling import SamplingParams, parse_sampling_parameters
+from export.sampler import SamplingHead
+from export.verify import NEAR_TIE, Sampling, reference_sample
 
 
 def parse(obj) -> SamplingParams:
@@ -63,28 +67,81 @@ def test_bad_values_name_the_field_and_the_allowed_range(raw, names):
         assert name in str(info.value)
 
 
-def test_greedy_picks_the_argmax_and_respects_bans():
-    logits = np.array([0.1, 3.0, 2.0, -1.0], np.float32)
-    sampler = Sampler(SamplingParams(temperature=0.0))
-    assert sampler(logits, []) == 1
-    assert sampler(logits, [1]) == 2
+def test_odd_json_gets_a_clear_invalid_argument():
+    for raw, message in [
+        ('{"max_tokens": ' + "9" * 5000 + "}", "too long to read"),
+        ("[" * 4000 + "]" * 4000, "nested too deeply"),
+        (json.dumps({"stop": ["x" * 100] * 100}), "at most 8192 bytes"),
+        ({"temperature": 1e-40}, "0 (greedy) or in [0.01, 100]"),
+        ({"logprobs": 21}, "logprobs"),
+    ]:
+        with pytest.raises(InvalidRequest, match=re.escape(message)):
+            parse(raw)
 
 
-def test_same_seed_same_tokens_and_different_seed_differs():
-    rng = np.random.default_rng(0)
-    rows = rng.standard_normal((40, 50)).astype(np.float32)
-
-    def draw(seed):
-        sampler = Sampler(SamplingParams(temperature=1.0, seed=seed))
-        return [sampler(row, []) for row in rows]
-
-    assert draw(3) == draw(3)
-    assert draw(3) != draw(4)
+def test_logprobs_and_the_smallest_temperature_are_accepted():
+    p = parse({"logprobs": 5, "temperature": 0.01})
+    assert (p.logprobs, p.temperature) == (5, 0.01)
 
 
-def test_top_k_and_top_p_restrict_the_support():
-    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
-    top_k = Sampler(SamplingParams(temperature=1.0, top_k=2, seed=1))
-    assert {top_k(logits, []) for _ in range(300)} == {0, 1}
-    top_p = Sampler(SamplingParams(temperature=1.0, top_p=0.7, seed=1))
-    assert {top_p(logits, []) for _ in range(300)} == {0, 1}  # 0.5 + 0.3 reaches 0.7
+# ----- the sampling head of the exported step (run eagerly here; export verifies the graphs) -----
+
+V = 300
+EOS_ID = 3
+
+
+def head_run(logits: np.ndarray, rows: list[Sampling]) -> np.ndarray:
+    head = SamplingHead(logits.shape[1], [EOS_ID])
+    chosen = [i for i, r in enumerate(rows) if r.temperature > 0 or r.top_k or r.top_p < 1]
+    picked = [rows[i] for i in chosen]
+    with torch.no_grad():
+        tokens, *_ = head(torch.from_numpy(logits), torch.tensor([r.ban_eos for r in rows]),
+                          torch.tensor(chosen, dtype=torch.long),
+                          torch.tensor([r.temperature for r in picked], dtype=torch.float32),
+                          torch.tensor([r.top_k for r in picked], dtype=torch.long),
+                          torch.tensor([r.top_p for r in picked], dtype=torch.float32),
+                          torch.tensor([r.uniform for r in picked], dtype=torch.float32))
+    return tokens.numpy()
+
+
+def random_rows(n: int, seed: int) -> tuple[np.ndarray, list[Sampling]]:
+    rng = np.random.default_rng(seed)
+    logits = (rng.standard_normal((n, V)) * rng.uniform(0.5, 4, (n, 1))).astype(np.float32)
+    kinds = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 5, 1.0), (1.0, 0, 0.9), (0.8, 40, 0.95),
+             (1.5, 0, 0.5), (1.0, 500, 1.0), (2.0, 1, 1.0)]
+    rows = [Sampling(*kinds[i % len(kinds)], ban_eos=bool(i % 4 == 0), uniform=float(1 - rng.random()))
+            for i in range(n)]
+    return logits, rows
+
+
+def test_the_head_picks_what_the_reference_sampler_picks_except_near_ties():
+    logits, rows = random_rows(900, seed=1)
+    tokens = head_run(logits, rows)
+    differ = [i for i, r in enumerate(rows) if reference_sample(logits[i], r, [EOS_ID])[0] != tokens[i]]
+    near = [i for i in differ if reference_sample(logits[i], rows[i], [EOS_ID])[1] < NEAR_TIE]
+    assert differ == near, f"rows {sorted(set(differ) - set(near))} differ beyond a near-tie"
+    assert len(differ) <= 2
+
+
+def test_greedy_rows_are_the_argmax_and_banned_eos_is_never_picked():
+    logits, rows = random_rows(200, seed=2)
+    logits[:, EOS_ID] = 50.0  # EOS is everyone's favourite
+    tokens = head_run(logits, rows)
+    for i, r in enumerate(rows):
+        if r.ban_eos:
+            assert tokens[i] != EOS_ID
+        if r.temperature == 0:
+            expected = np.argmax(np.where(np.arange(V) == EOS_ID, -np.inf, logits[i])) if r.ban_eos else EOS_ID
+            assert tokens[i] == expected
+
+
+def test_top_k_and_top_p_restrict_the_support_and_temperature_follows_the_distribution():
+    probs = np.array([0.5, 0.3, 0.15, 0.05] + [0.0] * (V - 4))
+    logits = np.log(np.maximum(probs, 1e-30)).astype(np.float32)[None].repeat(4000, 0)
+    uniform = (np.arange(4000) + 0.5) / 4000
+    for (top_k, top_p), support in {(2, 1.0): {0, 1}, (0, 0.7): {0, 1}, (0, 0.85): {0, 1, 2}}.items():
+        rows = [Sampling(1.0, top_k, top_p, uniform=float(u)) for u in uniform]
+        assert set(head_run(logits, rows).tolist()) == support
+    rows = [Sampling(1.0, uniform=float(u)) for u in uniform]
+    counts = np.bincount(head_run(logits, rows), minlength=V)[:4] / 4000
+    assert np.abs(counts - probs[:4]).max() < 0.01

@@ -5,35 +5,38 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.policy import policy_for
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, Status
-from engine.tokenizer import StreamDecoder
+
+EOS = 0
 
 
-def seq(prompt_len: int, group: int = 0) -> Sequence:
-    return Sequence(request_id=f"r{random.random()}", prompt="x", prompt_ids=[1] * prompt_len,
-                    params=SamplingParams(max_tokens=64), sink=lambda out: None,
-                    decoder=StreamDecoder([b"x"] * 4), group=group)
+def seq(prompt_len: int, group: int = 0, max_tokens: int = 64) -> Sequence:
+    return Sequence(request_id=f"r{random.random()}", prompt_ids=[1] * prompt_len,
+                    params=SamplingParams(max_tokens=max_tokens), group=group)
 
 
 def make(num_blocks=64, block_size=4, **cfg) -> Scheduler:
     config = EngineConfig(model_dir=Path("."), block_size=block_size, **cfg)
-    return Scheduler(config, BlockManager(num_blocks, block_size))
+    blocks = BlockManager(num_blocks, block_size, config.max_num_seqs, 512)
+    return Scheduler(config, blocks, policy_for(config.scheduling), (EOS,))
 
 
-def fake_step(sched: Scheduler) -> list[Sequence]:
-    """What the engine does after a successful step: everything pending is cached, one token sampled."""
+def fake_step(sched: Scheduler, token: int = 7) -> list[Sequence]:
+    """A successful step as the engine reports it: every row samples `token`."""
     step = sched.schedule()
     if step is None:
         return []
-    for s in step.seqs:
-        s.num_cached = s.num_tokens
-        s.output_ids.append(7)
+    ended = sched.update(step.work, step.seqs, np.full(len(step.work), token))
+    for s, _ in ended:
+        sched.retire(s)
     return step.seqs
 
 
@@ -44,9 +47,7 @@ def test_admission_stops_at_max_num_seqs_and_decodes_the_running_batch():
         sched.add(s)
     step = sched.schedule()
     assert step.prefill and step.seqs == seqs[:3]
-    fake_step_result = step.seqs
-    for s in fake_step_result:
-        s.num_cached, s.output_ids = s.num_tokens, [7]
+    sched.update(step.work, step.seqs, np.full(3, 7))
     step = sched.schedule()
     assert not step.prefill and step.seqs == seqs[:3]
     assert [s.status for s in seqs[3:]] == [Status.WAITING] * 2
@@ -84,10 +85,10 @@ def test_youngest_is_preempted_when_running_sequences_cannot_grow_then_recompute
     assert fake_step(sched) == [old]  # both need a 2nd block for token 5: the oldest gets it
     assert young.status is Status.WAITING and young.num_cached == 0 and young.blocks == []
     assert old.status is Status.RUNNING and sched.preemptions == 1
-    assert young.pending_ids == young.prompt_ids + young.output_ids  # recompute everything
+    assert young.pending_ids(5) == young.prompt_ids + young.output_ids  # recompute everything
     sched.retire(old)
     step = sched.schedule()
-    assert step.prefill and step.seqs == [young] and len(young.pending_ids) == 5
+    assert step.prefill and step.seqs == [young] and step.work[0].new == 5
 
 
 def test_budget_is_never_exceeded_under_random_load():
@@ -121,19 +122,40 @@ def test_static_scheduling_admits_one_group_into_an_empty_engine_only():
     assert fake_step(sched) == g1
 
 
-def test_cap_after_out_of_memory_halves_the_step_and_recovers(monkeypatch):
+def test_admission_cap_after_a_size_failure_limits_admissions_only_and_recovers(monkeypatch):
     sched = make(max_num_seqs=8, oom_backoff_seconds=10)
-    sched.lower_cap(8)
-    assert sched.step_cap == 4
+    running = [seq(4) for _ in range(2)]
+    for s in running:
+        sched.add(s)
+    fake_step(sched)
+    sched.lower_admit_cap(8)
+    assert sched.admit_cap == 4
+    for s in [seq(4) for _ in range(6)]:
+        sched.add(s)
+    assert len(fake_step(sched)) == 4, "a prefill step admits at most the lowered cap"
+    assert len(fake_step(sched)) == 2, "and the next one the rest, up to max_num_seqs"
+    assert len(fake_step(sched)) == 8, "every running sequence decodes: the cap never limits them"
     import engine.scheduler as module
 
     now = module.time.monotonic()
     monkeypatch.setattr(module.time, "monotonic", lambda: now + 11)
-    assert sched.step_cap == 8
+    assert sched.admit_cap == 8
+
+
+def test_update_ends_sequences_at_eos_and_at_max_tokens_unless_eos_is_ignored():
+    sched = make()
+    eos, length, ignoring = seq(3), seq(3, max_tokens=1), seq(3)
+    ignoring.params = SamplingParams(max_tokens=64, ignore_eos=True)
+    for s in (eos, length, ignoring):
+        sched.add(s)
+    step = sched.schedule()
+    ended = dict(sched.update(step.work, step.seqs, np.array([EOS, 5, EOS])))
+    assert ended == {eos: "stop", length: "length"}
+    assert [s.num_cached for s in step.seqs] == [3, 3, 3] and ignoring.output_ids == [EOS]
 
 
 def test_block_manager_refuses_to_over_allocate():
-    blocks = BlockManager(2, 4)
+    blocks = BlockManager(2, 4, 1, 64)
     s = seq(1)
     blocks.grow(s, 8)
     with pytest.raises(RuntimeError, match="exhausted"):

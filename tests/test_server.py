@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -174,3 +175,39 @@ def torchscript_server(request, model_dir):
 def test_torchscript_runtime_serves_the_same_completions(torchscript_server, client, prompts):
     with BatchClient(torchscript_server.grpc_url) as ts:
         assert ts.batchstring(prompts[:10], max_tokens=16) == client.batchstring(prompts[:10], max_tokens=16)
+
+
+def test_a_seeded_sampled_request_is_the_same_alone_and_among_forty_others_through_triton(model_dir, server):
+    from engine.sampling import SamplingParams
+
+    sampling = {"temperature": 1.0, "top_p": 0.95, "seed": 4321}
+    prompt = "def parse_header(line):\n"
+    eng = engine(model_dir)
+    seq = eng.make_sequence(prompt, SamplingParams(max_tokens=24, ignore_eos=True, **sampling), lambda o: None)
+    eng.generate([seq])
+    expected = eng.codec.decode(seq.output_ids)
+    crowd = varied_prompts(40, seed=9)
+
+    async def run() -> tuple[str, str]:
+        async with AsyncBatchClient(server.grpc_url) as aio:
+            alone = (await aio.batchstring([prompt], max_tokens=24, ignore_eos=True, **sampling))[0]
+
+            async def other(i: int, text: str) -> str:
+                await asyncio.sleep(0.005 * (i % 8))
+                return (await aio.batchstring([text], max_tokens=32, temperature=0.9, seed=i))[0]
+
+            async def seeded() -> str:
+                await asyncio.sleep(0.02)  # joins while the crowd is running
+                return (await aio.batchstring([prompt], max_tokens=24, ignore_eos=True, **sampling))[0]
+
+            *_, among = await asyncio.gather(*(other(i, t) for i, t in enumerate(crowd)), seeded())
+            return alone, among
+
+    before = metrics(server.metrics_url)
+    alone, among = asyncio.run(run())
+    time.sleep(0.6)  # metrics are published twice a second
+    after = metrics(server.metrics_url)
+    assert alone == among == expected
+    steps = after["batchstring_steps_total"] - before["batchstring_steps_total"]
+    seqs = after["batchstring_step_sequences_total"] - before["batchstring_step_sequences_total"]
+    assert seqs / steps > 4, "the crowd must really have shared steps"

@@ -3,9 +3,13 @@
 Triton's dynamic batcher hands `execute` a batch of requests. Each one is validated (a bad one
 gets its own error response and its batch-mates carry on) and submitted to the engine, which
 runs on its own thread; its outputs go back through each request's response sender (decoupled
-mode, so streaming is one response per text piece). `execute` returns as soon as the engine has
-room for the batch: while the engine is saturated, new requests wait in Triton's queue, where the
-queue policy of config.pbtxt bounds them and Triton's queue-time metrics see the saturation.
+mode, so streaming is one response per text piece), on the responder thread (responder.py).
+`execute` returns as soon as the engine has room for the batch: while the engine is saturated,
+new requests wait in Triton's queue, where the queue policy of config.pbtxt bounds them and
+Triton's queue-time metrics see the saturation.
+
+The engine is the `engine` package, imported from the environment (as the Triton vLLM backend
+imports `vllm`): installed with this project, or on PYTHONPATH in the image.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import itertools
 import json
 import os
 import site
+import time
 from pathlib import Path
 
 # The Python backend's embedded interpreter ignores PYTHONPATH. `batchstring serve` sets it to
@@ -22,15 +27,14 @@ from pathlib import Path
 for _entry in filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)):
     site.addsitedir(_entry)
 
-import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 from metrics import MetricsPublisher  # noqa: E402
+from responder import Responder  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.errors import InvalidRequest  # noqa: E402
 from engine.sampling import parse_sampling_parameters  # noqa: E402
-from engine.sequence import RequestOutput  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -53,6 +57,8 @@ class TritonPythonModel:
         )
         self.engine = Engine(engine_config)
         self.engine.warm_up()
+        self.responder = Responder(pb_utils, self.engine.abandon, lambda: engine_config.fault_mode == "raise_in_send")
+        self.responder.start()
         self.engine.start()
         self.groups = itertools.count()
         self.metrics = MetricsPublisher(pb_utils, self.engine.stats, args["model_name"], args["model_instance_name"])
@@ -69,19 +75,22 @@ class TritonPythonModel:
         accepted = []
         for request in requests:
             sender = request.get_response_sender()
+            ticket = self.responder.ticket(sender)
             try:
-                accepted.append(self._sequence(request, sender, group))
+                ticket.seq = self._sequence(request, ticket, group)
             except InvalidRequest as exc:
-                sender.send(pb_utils.InferenceResponse(error=_error(str(exc), "INVALID_ARG")), flags=FINAL)
+                _refuse(sender, str(exc), "INVALID_ARG")
             except Exception as exc:  # a bug must fail this request alone, never its batch-mates
-                message = f"internal error while reading the request: {type(exc).__name__}: {exc}"
-                sender.send(pb_utils.InferenceResponse(error=_error(message, "INTERNAL")), flags=FINAL)
+                _refuse(sender, f"internal error while reading the request: {type(exc).__name__}: {exc}", "INTERNAL")
+            else:
+                self.responder.track(ticket)
+                accepted.append(ticket.seq)
         # Submitted together, after parsing: the whole Triton batch joins the same engine
         # iteration, and the engine thread is not woken (competing for the GIL) mid-batch.
         self.engine.submit(*accepted)
         return None
 
-    def _sequence(self, request, sender, group: int):
+    def _sequence(self, request, sink, group: int):
         text = _scalar(request, "text_input")
         if text is None:
             raise InvalidRequest("text_input is required: a BYTES tensor of shape [1, 1] holding UTF-8 text")
@@ -102,19 +111,21 @@ class TritonPythonModel:
                                            json.loads(request.parameters() or "{}"))
         stream = bool(_scalar(request, "stream") or False)
         include_input = not bool(_scalar(request, "exclude_input_in_output") or False)
+        timeout_us = request.timeout() if hasattr(request, "timeout") else 0
         return self.engine.make_sequence(
             prompt,
             params,
-            _Sink(sender),
+            sink,
             request_id=request.request_id() or None,
             stream=stream,
             include_input=include_input,
             group=group,
-            is_cancelled=sender.is_cancelled,
+            deadline=time.monotonic() + timeout_us / 1e6 if timeout_us else None,
         )
 
     def finalize(self) -> None:
         self.engine.stop()
+        self.responder.stop()
         self.metrics.stop()
 
 
@@ -132,22 +143,9 @@ def _scalar(request, name: str):
     return array.reshape(-1)[0]
 
 
-class _Sink:
-    """Turns engine outputs into Triton responses for one request."""
-
-    def __init__(self, sender) -> None:
-        self.sender = sender
-
-    def __call__(self, out: RequestOutput) -> None:
-        if out.error:
-            code = "UNAVAILABLE" if out.finish_reason == "abort" else "INTERNAL"
-            self.sender.send(pb_utils.InferenceResponse(error=_error(out.error, code)), flags=FINAL)
-            return
-        tensors = [pb_utils.Tensor("text_output", np.array([[out.text.encode("utf-8")]], dtype=np.object_))]
-        if out.finished:  # streamed pieces carry only text; the last response says how it ended
-            tensors += [
-                pb_utils.Tensor("finish_reason", np.array([[(out.finish_reason or "").encode()]], dtype=np.object_)),
-                pb_utils.Tensor("num_input_tokens", np.array([[out.num_input_tokens]], dtype=np.uint32)),
-                pb_utils.Tensor("num_output_tokens", np.array([[out.num_output_tokens]], dtype=np.uint32)),
-            ]
-        self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if out.finished else 0)
+def _refuse(sender, message: str, code: str) -> None:
+    """An error response for one request; if even that fails, its batch-mates still go ahead."""
+    try:
+        sender.send(pb_utils.InferenceResponse(error=_error(message, code)), flags=FINAL)
+    except Exception as exc:
+        pb_utils.Logger.log_warn(f"could not send an error response ({exc}): {message}")

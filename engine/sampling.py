@@ -1,8 +1,9 @@
-"""Sampling parameters (vLLM-compatible JSON) and the per-sequence token sampler.
+"""Sampling parameters: the vLLM-compatible JSON a request carries, validated.
 
 Parameters arrive as the vLLM Triton backend receives them: a JSON object whose numbers may be
 numeric strings (genai-perf sends `"max_tokens": "16"`) and whose booleans may be "true"/"false".
-Defaults are vLLM's, so existing clients see the behaviour they expect.
+Defaults are vLLM's, so existing clients see the behaviour they expect. The sampling itself runs
+inside the exported step (export/sampler.py); the engine only hands it these values per row.
 """
 
 from __future__ import annotations
@@ -12,14 +13,15 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
-
 from engine.errors import InvalidRequest
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 128
+MIN_TEMPERATURE = 0.01  # below this (but above 0), logits / temperature overflows float32
 MAX_TEMPERATURE = 100.0
 MAX_SEED = 2**63 - 1
+MAX_LOGPROBS = 20  # top-n log-probabilities per token (the step computes at most this many)
+MAX_PARAMETERS_BYTES = 8192  # 16 stop strings of 128 characters fit many times over
 
 
 @dataclass(frozen=True)
@@ -32,10 +34,16 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # top-n log-probabilities per generated token (0 = the chosen one only)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def restricted(self) -> bool:
+        """Sampling limited to the most likely tokens (top_k / top_p)."""
+        return self.top_k > 0 or self.top_p < 1.0
 
 
 def _as_int(key: str, value: object, low: int, high: int, extra: str = "") -> int:
@@ -72,6 +80,16 @@ def _as_float(key: str, value: object, low: float, high: float, open_low: bool =
     return number
 
 
+def _as_temperature(key: str, value: object) -> float:
+    number = _as_float(key, value, 0.0, MAX_TEMPERATURE)
+    if 0.0 < number < MIN_TEMPERATURE:
+        raise InvalidRequest(
+            f"sampling_parameters.temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]; "
+            f"got {value!r}"
+        )
+    return number
+
+
 def _as_bool(key: str, value: object) -> bool:
     if isinstance(value, bool):
         return value
@@ -104,10 +122,7 @@ def parse_sampling_parameters(raw: str | None, context_length: int, default_max_
     """
     obj: object = {}
     if raw is not None and raw.strip():
-        try:
-            obj = json.loads(raw, parse_constant=lambda c: float(c))  # NaN/Infinity reach the range checks
-        except json.JSONDecodeError as exc:
-            raise InvalidRequest(f"sampling_parameters is not valid JSON ({exc.msg} at position {exc.pos})") from None
+        obj = _load_json(raw)
     if not isinstance(obj, dict):
         raise InvalidRequest(f"sampling_parameters must be a JSON object; got {type(obj).__name__}")
     obj.update({k: v for k, v in (request_parameters or {}).items() if k in _PARSERS})
@@ -127,48 +142,30 @@ def parse_sampling_parameters(raw: str | None, context_length: int, default_max_
     return params
 
 
+def _load_json(raw: str) -> object:
+    """json.loads, with every way it can fail (size, nesting, huge integers) made a clear error."""
+    size = len(raw.encode("utf-8", errors="surrogatepass"))
+    if size > MAX_PARAMETERS_BYTES:
+        raise InvalidRequest(f"sampling_parameters is {size} bytes; at most {MAX_PARAMETERS_BYTES} bytes are allowed")
+    try:
+        return json.loads(raw, parse_constant=lambda c: float(c))  # NaN/Infinity reach the range checks
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(f"sampling_parameters is not valid JSON ({exc.msg} at position {exc.pos})") from None
+    except ValueError:  # an integer of more than 4300 digits
+        raise InvalidRequest("sampling_parameters has a number too long to read (over 4300 digits); "
+                             "every field has a small range, named in the error for that field") from None
+    except RecursionError:
+        raise InvalidRequest("sampling_parameters is nested too deeply; a flat JSON object is expected") from None
+
+
 _PARSERS: dict[str, Callable[[str, object, int], object]] = {
     "max_tokens": lambda k, v, ctx: _as_int(k, v, 1, ctx, f" (the model's context is {ctx} tokens)"),
     "min_tokens": lambda k, v, ctx: _as_int(k, v, 0, ctx),
-    "temperature": lambda k, v, ctx: _as_float(k, v, 0.0, MAX_TEMPERATURE),
+    "temperature": lambda k, v, ctx: _as_temperature(k, v),
     "top_p": lambda k, v, ctx: _as_float(k, v, 0.0, 1.0, open_low=True),
     "top_k": lambda k, v, ctx: _as_int(k, v, -1, 2**31 - 1, " (-1 or 0 disables it)"),
     "seed": lambda k, v, ctx: _as_int(k, v, 0, MAX_SEED),
     "stop": lambda k, v, ctx: _as_stop(v),
     "ignore_eos": lambda k, v, ctx: _as_bool(k, v),
+    "logprobs": lambda k, v, ctx: _as_int(k, v, 0, MAX_LOGPROBS),
 }
-
-
-class Sampler:
-    """Chooses the next token for one sequence; a seeded sequence is reproducible anywhere.
-
-    The random stream belongs to the sequence, so its draws do not depend on batch-mates.
-    """
-
-    def __init__(self, params: SamplingParams) -> None:
-        self.params = params
-        self.rng = np.random.default_rng(params.seed)
-
-    def __call__(self, logits: np.ndarray, banned: list[int]) -> int:
-        p = self.params
-        if banned:
-            logits = logits.copy()
-            logits[banned] = -np.inf
-        if p.greedy:
-            return int(np.argmax(logits))
-        scaled = logits / np.float32(p.temperature)
-        if 0 < p.top_k < scaled.size:
-            kth = np.partition(scaled, -p.top_k)[-p.top_k]
-            scaled[scaled < kth] = -np.inf
-        weights = np.exp(scaled - scaled.max())
-        if p.top_p < 1.0:
-            order = np.argsort(-weights, kind="stable")
-            cumulative = np.cumsum(weights[order])
-            keep = order[: int(np.searchsorted(cumulative, p.top_p * cumulative[-1])) + 1]
-            kept = np.zeros_like(weights)
-            kept[keep] = weights[keep]
-            weights = kept
-        # Inverse-CDF draw: one uniform number per token (rng.choice re-validates p every call).
-        cumulative = np.cumsum(weights)
-        return int(min(np.searchsorted(cumulative, self.rng.random() * cumulative[-1], side="right"),
-                       weights.size - 1))

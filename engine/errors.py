@@ -5,10 +5,6 @@ class InvalidRequest(ValueError):
     """The caller's input is wrong; the message says what was wrong and what is allowed."""
 
 
-class StepFailed(RuntimeError):
-    """A model step failed for this request alone (after bisection isolated it)."""
-
-
 def is_out_of_memory(exc: BaseException) -> bool:
     """CPU MemoryError, CUDA OOM from torch, or an ONNX Runtime arena allocation failure."""
     if isinstance(exc, MemoryError):

@@ -21,18 +21,21 @@ _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 @cache
-def _byte_level_table() -> dict[str, int]:
-    """GPT-2's reversible byte <-> printable-character map, inverted (char -> byte)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    printable += range(ord("®"), ord("ÿ") + 1)
-    chars = list(printable)
+def byte_level_chars() -> list[str]:
+    """GPT-2's reversible byte -> printable-character map: the character standing for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = dict(zip(printable, printable))
     extra = 0
     for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
+        if b not in chars:
+            chars[b] = 256 + extra
             extra += 1
-    return {chr(c): b for b, c in zip(printable, chars)}
+    return [chr(chars[b]) for b in range(256)]
+
+
+@cache
+def _byte_level_table() -> dict[str, int]:
+    return {c: b for b, c in enumerate(byte_level_chars())}
 
 
 def _decoder_types(spec: dict | None) -> set[str]:
@@ -86,6 +89,15 @@ class TextCodec:
     def from_file(cls, path: str | Path, vocab_size: int = 0) -> TextCodec:
         return cls(Tokenizer.from_file(str(path)), vocab_size)
 
+    def known_ids(self) -> tuple[int, list[int]]:
+        """(one past the largest id the tokenizer has, the ids below it that it lacks).
+
+        A checkpoint's vocabulary is often padded beyond its tokenizer's; those ids have no text.
+        """
+        ids = set(self.tokenizer.get_vocab(with_added_tokens=True).values())
+        end = max(ids) + 1
+        return end, sorted(set(range(end)) - ids)
+
     def encode(self, text: str) -> list[int]:
         """Token ids for `text`, with the tokenizer's own special tokens (e.g. a BOS)."""
         if _SURROGATE.search(text):
@@ -99,6 +111,10 @@ class TextCodec:
     def decode(self, ids: list[int]) -> str:
         """Whole-sequence decode with the same byte semantics as streaming."""
         return b"".join(self.token_bytes[i] for i in ids).decode("utf-8", errors="replace")
+
+    def token_text(self, token_id: int) -> str:
+        """One token on its own (a piece of a multi-byte character shows as U+FFFD)."""
+        return self.token_bytes[token_id].decode("utf-8", errors="replace")
 
     def stream_decoder(self) -> StreamDecoder:
         return StreamDecoder(self.token_bytes)

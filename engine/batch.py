@@ -1,0 +1,141 @@
+"""Builds the exported step's inputs for one iteration, as array operations over its rows.
+
+Rows that decode one token go to the step's decode group and are built together from the block
+manager's table (past slots, masks, the new token's slot) without a per-row loop; rows that
+prefill several tokens (few per step) go to the prefill group. The layout is export/step.py's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class Work:
+    """A sequence in a step: feed its next `new` tokens; `samples`: its next token is wanted."""
+
+    seq: Sequence
+    new: int
+    samples: bool = True
+
+
+@dataclass
+class StepBatch:
+    feeds: dict[str, np.ndarray]  # the step's inputs, caches excepted
+    write_slots: np.ndarray  # [T] cache slot of each new token, in packed order
+    work: list[Work]  # every sequence in the step (decode rows first)
+    sampled: list[Sequence]  # the R sequences whose next token comes back, in output order
+
+    @property
+    def size(self) -> int:
+        return len(self.work)
+
+
+def build_step(work: list[Work], blocks: BlockManager, rng: np.random.Generator | None = None) -> StepBatch:
+    decode = [w for w in work if w.new == 1]
+    prefill = [w for w in work if w.new > 1]
+    ids, positions, d_tokens, d_slots, d_mask, writes = _decode_group(decode, blocks)
+    order, logit_tokens = np.arange(len(decode)), np.arange(len(decode))
+    p_tokens, p_slots, p_mask = _EMPTY_GROUP
+    if prefill:
+        p_ids, p_pos, p_tokens, p_slots, p_mask, p_write, p_order, p_last = _prefill_group(prefill, blocks, len(decode))
+        ids, positions, writes = np.concatenate([ids, p_ids]), np.concatenate([positions, p_pos]), np.concatenate(
+            [writes, p_write])
+        order, logit_tokens = np.concatenate([order, p_order]), np.concatenate([logit_tokens, p_last])
+    ordered = decode + prefill if prefill else decode
+    if all(w.samples for w in ordered):
+        sampled = [w.seq for w in ordered]
+    else:
+        keep = np.fromiter((w.samples for w in ordered), bool, len(ordered))
+        logit_tokens = logit_tokens[keep]
+        sampled = [w.seq for w in ordered if w.samples]
+    feeds = {
+        "input_ids": ids, "position_ids": positions,
+        "decode_tokens": d_tokens, "decode_slots": d_slots, "decode_mask": d_mask,
+        "prefill_tokens": p_tokens, "prefill_slots": p_slots, "prefill_mask": p_mask,
+        "token_order": order, "logit_tokens": logit_tokens,
+        **sampling_inputs(sampled, rng or np.random.default_rng()),
+    }
+    return StepBatch(feeds, writes, ordered, sampled)
+
+
+_EMPTY_GROUP = (np.zeros((0, 0), np.int64), np.zeros((0, 0), np.int64), np.zeros((0, 0), bool))
+
+
+def _decode_group(decode: list[Work], blocks: BlockManager):
+    """One row per sequence: its token, position, past slots (from the block table) and mask."""
+    n, size = len(decode), blocks.block_size
+    if not n:
+        empty = np.zeros(0, np.int64)
+        return empty, empty, np.zeros((0, 1), np.int64), np.zeros((0, 0), np.int64), np.zeros((0, 1), bool), empty
+    info = np.array([(w.seq.row, w.seq.num_cached, w.seq.token_at(w.seq.num_cached)) for w in decode], np.int64)
+    rows, past, ids = info[:, 0], info[:, 1], info[:, 2]
+    width = int(past.max())
+    table = blocks.table[rows]
+    slots = table[:, blocks.block_of[:width]] * size + blocks.offset_of[:width]
+    mask = np.empty((n, width + 1), bool)
+    np.less(blocks.positions[:width], past[:, None], out=mask[:, :width])
+    mask[:, width] = True
+    write = table[np.arange(n), blocks.block_of[past]] * size + blocks.offset_of[past]
+    return ids, past, np.arange(n)[:, None], slots, mask, write
+
+
+def _prefill_group(prefill: list[Work], blocks: BlockManager, offset: int):
+    """Rows of several new tokens (few per step): left-padded to the longest, in packed order."""
+    n, size = len(prefill), blocks.block_size
+    width = max(w.new for w in prefill)
+    past_width = max(w.seq.num_cached for w in prefill)
+    tokens = np.zeros((n, width), np.int64)
+    slots = np.zeros((n, past_width), np.int64)
+    mask = np.zeros((n, past_width + width), bool)
+    ids, positions, writes, order, last = [], [], [], [], []
+    start = offset
+    for j, w in enumerate(prefill):
+        past, new = w.seq.num_cached, w.new
+        end = past + new
+        seq_slots = blocks.table[w.seq.row, blocks.block_of[:end]] * size + blocks.offset_of[:end]
+        tokens[j, width - new :] = np.arange(start, start + new)
+        slots[j, :past] = seq_slots[:past]
+        mask[j, :past] = True
+        mask[j, past_width + width - new :] = True
+        ids.append(w.seq.pending_ids(new))
+        positions.append(blocks.positions[past:end])
+        writes.append(seq_slots[past:])
+        order.append(offset + j * width + np.arange(width - new, width))
+        start += new
+        last.append(start - 1)
+    return (np.concatenate(ids).astype(np.int64), np.concatenate(positions), tokens, slots, mask,
+            np.concatenate(writes), np.concatenate(order), np.asarray(last, np.int64))
+
+
+_NO_SAMPLING = {"sample_rows": np.zeros(0, np.int64), "temperature": np.zeros(0, np.float32),
+                "top_k": np.zeros(0, np.int64), "top_p": np.zeros(0, np.float32), "uniform": np.zeros(0, np.float32)}
+
+
+def sampling_inputs(seqs: list[Sequence], rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Per-row sampling values. A seeded request draws its number from its own generator, so its
+    tokens do not depend on its batch-mates; the others share the engine's generator."""
+    n = len(seqs)
+    params = [s.params for s in seqs]
+    ban = np.fromiter((len(s.output_ids) < p.min_tokens and not p.ignore_eos for s, p in zip(seqs, params)), bool, n)
+    chosen = [i for i, p in enumerate(params) if not p.greedy or p.logprobs]
+    if not chosen:
+        return {"ban_eos": ban, **_NO_SAMPLING}
+    picked = [params[i] for i in chosen]
+    uniform = 1.0 - rng.random(len(chosen))  # (0, 1]
+    for k, i in enumerate(chosen):
+        if seqs[i].rng is not None:
+            uniform[k] = 1.0 - seqs[i].rng.random()
+    return {
+        "ban_eos": ban,
+        "sample_rows": np.asarray(chosen, np.int64),
+        "temperature": np.fromiter((p.temperature for p in picked), np.float32, len(picked)),
+        "top_k": np.fromiter((max(p.top_k, 0) for p in picked), np.int64, len(picked)),
+        "top_p": np.fromiter((p.top_p for p in picked), np.float32, len(picked)),
+        "uniform": uniform.astype(np.float32),
+    }

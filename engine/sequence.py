@@ -1,0 +1,74 @@
+"""One request's token and cache state: what the scheduler schedules and the step computes.
+
+Everything about talking back to the caller (text, stop strings, streaming, the sink) lives in
+the request's `OutputStream` (engine/output.py); a sequence only points at it.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from engine.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_arrival_order = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    output: Any = None  # the request's OutputStream
+    group: int = 0  # the Triton batch it arrived in (static scheduling keeps groups together)
+    deadline: float | None = None  # time.monotonic() after which nobody will read the answer
+    output_ids: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    row: int | None = None  # its row in the block manager's table while it holds blocks
+    num_cached: int = 0  # leading tokens whose K/V are in the cache
+    status: Status = Status.WAITING
+    arrival: float = field(default_factory=time.monotonic)
+    order: int = field(default_factory=lambda: next(_arrival_order))
+    first_token_at: float | None = None
+    held: bool = False  # static scheduling: finished, but its row computes on until its batch ends
+    rng: np.random.Generator | None = None  # a seeded request's own random stream
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None and self.rng is None:
+            self.rng = np.random.default_rng(self.params.seed)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_at(self, index: int) -> int:
+        prompt = len(self.prompt_ids)
+        return self.prompt_ids[index] if index < prompt else self.output_ids[index - prompt]
+
+    def pending_ids(self, count: int) -> list[int]:
+        """The next `count` tokens the step must feed (after a preemption: prompt and output again)."""
+        start = self.num_cached
+        prompt = len(self.prompt_ids)
+        if start + count <= prompt:
+            return self.prompt_ids[start : start + count]
+        return self.all_ids[start : start + count]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

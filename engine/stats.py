@@ -1,0 +1,38 @@
+"""What the engine counts: monotonic counters and current gauges, published as Triton metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineStats:
+    """Read by the metrics publisher from another thread; the engine only bumps plain fields."""
+
+    steps: int = 0
+    prefill_steps: int = 0
+    step_seqs: int = 0  # sum of step batch sizes: step_seqs / steps = mean batch
+    last_step_size: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
+    failures_isolated: int = 0
+    oom_events: int = 0
+    cancelled: int = 0
+    finished: dict[str, int] = field(default_factory=dict)
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    step_sizes: dict[int, int] = field(default_factory=dict)  # batch size -> steps of that size
+    runner_seconds: float = 0.0  # time inside the runner's step: the rest of a step is host work
+    step_seconds: float = 0.0  # time of whole steps (schedule, build, run, update, respond)
+
+    def record_step(self, size: int, prefill: bool) -> None:
+        self.steps += 1
+        self.step_seqs += size
+        self.last_step_size = size
+        self.step_sizes[size] = self.step_sizes.get(size, 0) + 1
+        self.prefill_steps += prefill
+
+    def record_finish(self, reason: str) -> None:
+        self.finished[reason] = self.finished.get(reason, 0) + 1

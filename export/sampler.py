@@ -1,0 +1,122 @@
+"""The sampling head of the exported step: next token per row, chosen inside the graph.
+
+The engine never sees vocabulary-sized tensors: the step turns each row's logits into one token
+id and its log-probability (plus the top-n log-probabilities for rows that ask), so on a GPU the
+logits never leave the device and on a CPU the work runs in the runtime's threads.
+
+Per row, the host supplies temperature (0 = greedy), top_k (0 = off), top_p, a flag that bans the
+end-of-sequence ids (`min_tokens`) and one uniform number in (0, 1] drawn from the request's own
+generator. Everything else is per-row arithmetic, so a seeded request gets the same tokens
+whatever its batch-mates.
+
+Exactness (no full sort of the vocabulary anywhere):
+- greedy rows: exactly the argmax of the logits (first index on ties, as numpy's argmax);
+- temperature only (top_k off, top_p = 1): exact inverse-CDF sampling over the whole vocabulary,
+  in vocabulary order, done in two levels (blocks of `BLOCK` tokens, then within the block) so it
+  needs only reductions over the vocabulary and cumulative sums over short rows;
+- top_k and top_p: the candidates are the `candidates` most likely tokens (one TopK, sorted), and
+  top_p is applied over them as vLLM applies it (after top_k, renormalised); the draw is an
+  inverse CDF over the kept candidates in descending order. Exact when top_k <= candidates and the
+  nucleus fits in the candidates; otherwise the kept set is cut at the candidates (top_k larger
+  than `candidates` behaves as top_k = candidates).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+CANDIDATES = 64  # most likely tokens considered for top_k / top_p
+TOP_LOGPROBS = 20  # top-n log-probabilities a request may ask for (vLLM's default max_logprobs)
+BLOCK = 256  # tokens per block of the two-level inverse CDF
+
+
+class SamplingHead(nn.Module):
+    def __init__(self, vocab_size: int, eos_ids: list[int], never_ids: list[int] = (),
+                 candidates: int = CANDIDATES) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.candidates = min(candidates, vocab_size)
+        self.top_n = min(TOP_LOGPROBS, self.candidates)
+        self.blocks = -(-vocab_size // BLOCK)
+        self.register_buffer("eos_mask", _mask(vocab_size, eos_ids), persistent=False)
+        # ids the tokenizer does not have, inside the vocabulary (those past its end are cut off)
+        self.register_buffer("never_mask", _mask(vocab_size, never_ids) if never_ids else None, persistent=False)
+
+    def forward(
+        self,
+        logits: torch.Tensor,  # [R, V] float32
+        ban_eos: torch.Tensor,  # [R] bool
+        sample_rows: torch.Tensor,  # [M] rows (of R) that sample or want top log-probabilities
+        temperature: torch.Tensor,  # [M] float32, 0 = greedy
+        top_k: torch.Tensor,  # [M] int64, 0 = off
+        top_p: torch.Tensor,  # [M] float32 in (0, 1]
+        uniform: torch.Tensor,  # [M] float32 in (0, 1]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.never_mask is not None:
+            logits = torch.where(self.never_mask[None, :], float("-inf"), logits)
+        logits = torch.where(ban_eos[:, None] & self.eos_mask[None, :], float("-inf"), logits)
+        greedy = logits.argmax(-1)
+        peak = logits.max(-1, keepdim=True).values
+        log_norm = (torch.log(torch.exp(logits - peak).sum(-1, keepdim=True)) + peak)[:, 0]  # ORT's LogSumExp is slow
+        rows = logits[sample_rows]
+        candidates, candidate_ids = rows.topk(self.candidates, -1)  # sorted, most likely first
+        scale = torch.where(temperature > 0, temperature, torch.ones_like(temperature))[:, None]
+        top = candidates[:, :1]
+        full = torch.exp((rows - top) / scale)  # [M, V], the largest is 1
+        full = nn.functional.pad(full, (0, self.blocks * BLOCK - self.vocab_size)).view(-1, self.blocks, BLOCK)
+        block_mass = full.sum(-1)  # [M, blocks]
+        by_vocab = _draw_two_level(full, block_mass, uniform)
+        weights = torch.exp((candidates - top) / scale)
+        keep = _top_k_top_p(weights, block_mass.sum(-1), top_k, top_p)
+        by_rank = candidate_ids.gather(1, _draw(weights * keep, uniform)[:, None])[:, 0]
+        restricted = (top_k > 0) | (top_p < 1)
+        sampled = torch.where(restricted, by_rank, by_vocab)
+        sampled = torch.where(temperature > 0, sampled, greedy[sample_rows])
+        tokens = greedy.index_put((sample_rows,), sampled)
+        token_logprobs = logits.gather(1, tokens[:, None])[:, 0] - log_norm
+        top_logprobs = candidates[:, : self.top_n] - log_norm[sample_rows][:, None]
+        return tokens, token_logprobs, candidate_ids[:, : self.top_n], top_logprobs
+
+
+def _mask(size: int, ids: list[int]) -> torch.Tensor:
+    mask = torch.zeros(size, dtype=torch.bool)
+    mask[[i for i in ids if i < size]] = True
+    return mask
+
+
+def _top_k_top_p(weights: torch.Tensor, full_mass: torch.Tensor, top_k: torch.Tensor,
+                 top_p: torch.Tensor) -> torch.Tensor:
+    """Which sorted candidates survive top_k, then top_p over the top_k-renormalised mass."""
+    count = weights.shape[1]
+    rank = torch.arange(count, device=weights.device)[None, :]
+    k = torch.where(top_k > 0, torch.clamp(top_k, max=count), torch.full_like(top_k, count))
+    in_k = rank < k[:, None]
+    kept = weights * in_k
+    cumulative = torch.cumsum(kept, -1)
+    mass = torch.where(top_k > 0, cumulative[:, -1], full_mass)
+    return in_k & ((cumulative - kept) < (top_p * mass)[:, None])  # the first candidate always stays
+
+
+def _draw(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF: the first index whose cumulative weight reaches u * total (u in (0, 1]).
+
+    The target is positive and at most the total, so the chosen index always has weight > 0.
+    """
+    cumulative = torch.cumsum(weights, -1)
+    target = uniform * cumulative[:, -1]
+    return (cumulative < target[:, None]).sum(-1)
+
+
+def _draw_two_level(full: torch.Tensor, block_mass: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF over [M, blocks, BLOCK] weights: pick the block, then the token inside it."""
+    cumulative = torch.cumsum(block_mass, -1)
+    target = uniform * cumulative[:, -1]
+    block = torch.clamp((cumulative < target[:, None]).sum(-1), max=full.shape[1] - 1)
+    before = (cumulative - block_mass).gather(1, block[:, None])[:, 0]
+    inside = full.gather(1, block[:, None, None].expand(-1, 1, full.shape[2]))[:, 0]  # [M, BLOCK]
+    inside_cumulative = torch.cumsum(inside, -1)
+    # Rounding between the two sums must not push the target outside the block's real tokens.
+    smallest = torch.finfo(inside.dtype).tiny
+    remaining = torch.minimum(torch.clamp(target - before, min=smallest), inside_cumulative[:, -1])
+    return block * full.shape[2] + (inside_cumulative < remaining[:, None]).sum(-1)

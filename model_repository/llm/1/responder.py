@@ -1,0 +1,132 @@
+"""The one thread that talks to Triton once `execute` has returned: responses and cancellation.
+
+The engine thread never calls into Triton. Each engine output is queued here and turned into a
+Triton response on this thread, so sending (an IPC round trip to the server) overlaps the next
+engine step instead of delaying it (the runtime releases the GIL while it computes). The same
+thread asks Triton, a few requests at a time, whether a client cancelled, and tells the engine;
+keeping every call into Triton on one thread matters: `is_cancelled()` from a second thread has
+crashed tritonserver under load.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from engine.output import RequestOutput
+
+# How often each live request is asked whether its client cancelled (~50 us per question).
+CANCEL_POLL_SECONDS = 0.5
+_STOP = object()
+
+
+class Ticket:
+    """One request as the responder knows it; calling it is the engine's output sink (it only queues)."""
+
+    def __init__(self, sender, outbox: queue.SimpleQueue) -> None:
+        self.sender = sender
+        self.seq = None  # set once the engine has made the sequence
+        self.next_poll = time.monotonic() + CANCEL_POLL_SECONDS
+        self._outbox = outbox
+
+    def __call__(self, out: RequestOutput) -> None:
+        self._outbox.put((self, out))
+
+
+class Responder:
+    def __init__(self, pb_utils, abandon: Callable[[object, str], None], fail_sends: Callable[[], bool]) -> None:
+        self.pb = pb_utils
+        self.abandon = abandon  # engine.abandon(seq, why), thread-safe
+        self.fail_sends = fail_sends  # fault injection: make every send raise (tests only)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: set[Ticket] = set()  # requests that may still be cancelled
+        self._thread = threading.Thread(target=self._run, name="batchstring-responder", daemon=True)
+        self.sent = 0
+        self.failed_sends = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._queue.put(_STOP)
+        self._thread.join()
+
+    def ticket(self, sender) -> Ticket:
+        return Ticket(sender, self._queue)
+
+    def track(self, ticket: Ticket) -> None:
+        """Called on execute's thread before the engine sees the sequence, so it precedes its outputs."""
+        self._queue.put((ticket, None))
+
+    def _run(self) -> None:
+        while True:
+            try:
+                item = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                item = None
+            while item is not None:
+                if item is _STOP:
+                    return
+                self._handle(*item)
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    item = None
+            self._poll_cancellations()
+
+    def _handle(self, ticket: Ticket, out: RequestOutput | None) -> None:
+        if out is None:
+            self._live.add(ticket)
+            return
+        if out.finished:
+            self._live.discard(ticket)
+        try:
+            if self.fail_sends():
+                raise RuntimeError("send failed (injected fault)")
+            final = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if out.finished else 0
+            ticket.sender.send(self._response(out), flags=final)
+            self.sent += 1
+        except Exception as exc:  # the client is gone or the frontend refused: stop its work, carry on
+            self.failed_sends += 1
+            if not out.finished:
+                self._live.discard(ticket)
+                self.abandon(ticket.seq, f"the response could not be sent ({exc})")
+
+    def _poll_cancellations(self) -> None:
+        now = time.monotonic()
+        for ticket in [t for t in self._live if t.next_poll <= now]:
+            try:
+                cancelled, why = ticket.sender.is_cancelled(), "cancelled by the client"
+            except Exception as exc:  # asking failed: treat the caller as gone
+                cancelled, why = True, f"could not ask whether the request was cancelled ({exc})"
+            if cancelled:
+                self._live.discard(ticket)
+                self.abandon(ticket.seq, why)
+            else:
+                ticket.next_poll = now + CANCEL_POLL_SECONDS
+
+    def _response(self, out: RequestOutput):
+        pb = self.pb
+        if out.error:
+            retry = out.retryable or out.finish_reason == "abort"
+            code = pb.TritonError.UNAVAILABLE if retry else pb.TritonError.INTERNAL
+            return pb.InferenceResponse(error=pb.TritonError(out.error, code))
+        tensors = [_text(pb, "text_output", out.text)]
+        if out.logprobs is not None:
+            tensors.append(_text(pb, "logprobs", json.dumps(out.logprobs)))
+        if out.finished:  # streamed pieces carry only text; the last response says how it ended
+            tensors += [
+                _text(pb, "finish_reason", out.finish_reason or ""),
+                pb.Tensor("num_input_tokens", np.array([[out.num_input_tokens]], dtype=np.uint32)),
+                pb.Tensor("num_output_tokens", np.array([[out.num_output_tokens]], dtype=np.uint32)),
+            ]
+        return pb.InferenceResponse(output_tensors=tensors)
+
+
+def _text(pb, name: str, value: str):
+    return pb.Tensor(name, np.array([[value.encode("utf-8")]], dtype=np.object_))

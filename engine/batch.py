@@ -120,19 +120,19 @@ _NO_SAMPLING = {"sample_rows": np.zeros(0, np.int64), "temperature": np.zeros(0,
 def sampling_inputs(seqs: list[Sequence], rng: np.random.Generator) -> dict[str, np.ndarray]:
     """Per-row sampling values. A seeded request draws its number from its own generator, so its
     tokens do not depend on its batch-mates; the others share the engine's generator."""
-    n = len(seqs)
     params = [s.params for s in seqs]
-    ban = np.fromiter((len(s.output_ids) < p.min_tokens and not p.ignore_eos for s, p in zip(seqs, params)), bool, n)
-    chosen = [i for i, p in enumerate(params) if not p.greedy or p.logprobs]
+    ban = np.asarray([i for i, (s, p) in enumerate(zip(seqs, params))
+                      if p.min_tokens and not p.ignore_eos and len(s.output_ids) < p.min_tokens], np.int64)
+    chosen = [i for i, p in enumerate(params) if not p.greedy or p.logprobs is not None]
     if not chosen:
-        return {"ban_eos": ban, **_NO_SAMPLING}
+        return {"ban_rows": ban, **_NO_SAMPLING}
     picked = [params[i] for i in chosen]
     uniform = 1.0 - rng.random(len(chosen))  # (0, 1]
     for k, i in enumerate(chosen):
         if seqs[i].rng is not None:
             uniform[k] = 1.0 - seqs[i].rng.random()
     return {
-        "ban_eos": ban,
+        "ban_rows": ban,
         "sample_rows": np.asarray(chosen, np.int64),
         "temperature": np.fromiter((p.temperature for p in picked), np.float32, len(picked)),
         "top_k": np.fromiter((max(p.top_k, 0) for p in picked), np.int64, len(picked)),

@@ -268,18 +268,19 @@ class Engine:
 
     def _push_tokens(self, batch: StepBatch, out: StepOutput, rows: list[int], ended: dict) -> None:
         """Text (streamed pieces, stop strings) and log-probabilities, for the rows that need them."""
-        top_row = {int(r): m for m, r in enumerate(batch.feeds["sample_rows"])}
+        sample_index = None
         for i in rows:
             seq = batch.sampled[i]
             if ended.get(seq) == "stop":
                 continue  # an end-of-sequence token: no text
             token = int(out.tokens[i])
             entry = None
-            if seq.params.logprobs is not None:
-                m, n = top_row.get(i), seq.params.logprobs
-                top = () if m is None or not n else tuple(zip(out.top_ids[m, :n].tolist(),
-                                                              out.top_logprobs[m, :n].tolist()))
-                entry = TokenLogprob(token, float(out.logprobs[i]), top)
+            if seq.params.logprobs is not None:  # such rows are always among the sampled ones
+                if sample_index is None:
+                    sample_index = {int(r): m for m, r in enumerate(batch.feeds["sample_rows"])}
+                m, n = sample_index[i], seq.params.logprobs
+                top = tuple(zip(out.top_ids[m, :n].tolist(), out.top_logprobs[m, :n].tolist()))
+                entry = TokenLogprob(token, float(out.logprobs[m]), top)
             if seq.output.push(token, len(seq.output_ids), entry):
                 ended.pop(seq, None)
                 self._finish(seq, "stop", cut=True)

@@ -55,7 +55,7 @@ class RuntimeSpec:
 @dataclass(frozen=True)
 class StepOutput:
     tokens: np.ndarray  # [R] int64: the next token of each sampled row
-    logprobs: np.ndarray  # [R] float32: its log-probability under the model
+    logprobs: np.ndarray  # [M] float32: for the rows of feeds["sample_rows"], their token's log-probability
     top_ids: np.ndarray  # [M, n]: for the rows of feeds["sample_rows"], the most likely tokens
     top_logprobs: np.ndarray  # [M, n]
 

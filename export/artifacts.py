@@ -18,32 +18,33 @@ INPUT_NAMES = (
     "input_ids", "position_ids",
     "decode_tokens", "decode_slots", "decode_mask",
     "prefill_tokens", "prefill_slots", "prefill_mask", "token_order",
-    "logit_tokens", "ban_eos", "sample_rows", "temperature", "top_k", "top_p", "uniform",
+    "logit_tokens", "ban_rows", "sample_rows", "temperature", "top_k", "top_p", "uniform",
     "key_cache", "value_cache",
 )
 OUTPUT_NAMES = ("next_tokens", "token_logprobs", "top_ids", "top_logprobs", "logits", "new_keys", "new_values")
 
 
 def example_inputs(step: DecoderStep, slots: int = 23) -> tuple[torch.Tensor, ...]:
-    """A step whose every dynamic axis has its own size > 1, so the exporter cannot specialise or
-    merge them: 2 decode rows over 7 past tokens; 3 prefill rows of 6, 3 and 1 new tokens (padded to
-    6) over 9 past; 12 tokens in all; 5 rows want a next token, 4 of them sample."""
+    """A step whose every dynamic axis has its own size > 1, so the exporter can neither specialise
+    nor merge them: 6 decode rows over 10 past tokens; 2 prefill rows of 9 and 4 new tokens (padded
+    to 9) over 12 past; 19 tokens in all; 8 rows want a next token, 5 sample, 3 have EOS banned."""
     cache = torch.zeros(len(step.layers), step.num_kv_heads, slots, step.head_dim, dtype=step.dtype)
-    prefill = torch.tensor([[2, 3, 4, 5, 6, 7], [0, 0, 0, 8, 9, 10], [0, 0, 0, 0, 0, 11]])
-    order = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 19])
+    prefill = torch.tensor([list(range(6, 15)), [0] * 5 + [15, 16, 17, 18]])
+    order = torch.tensor([*range(15), 20, 21, 22, 23])
     return (
-        torch.arange(12) % 5, torch.arange(12),
-        torch.tensor([[0], [1]]), torch.arange(14).reshape(2, 7), torch.ones(2, 8, dtype=torch.bool),
-        prefill, torch.arange(27).reshape(3, 9) % slots, torch.ones(3, 15, dtype=torch.bool), order,
-        torch.tensor([0, 1, 7, 10, 11]), torch.tensor([False, True, False, True, False]), torch.tensor([0, 1, 3, 4]),
-        torch.tensor([0.5, 1.0, 0.0, 2.0]), torch.tensor([0, 3, 0, 1]), torch.tensor([1.0, 0.9, 1.0, 0.5]),
-        torch.tensor([0.3, 0.7, 1.0, 0.1]),
+        torch.arange(19) % 7, torch.arange(19),
+        torch.arange(6)[:, None], torch.arange(60).reshape(6, 10) % slots, torch.ones(6, 11, dtype=torch.bool),
+        prefill, torch.arange(24).reshape(2, 12) % slots, torch.ones(2, 21, dtype=torch.bool), order,
+        torch.tensor([0, 1, 2, 3, 4, 5, 14, 18]), torch.tensor([1, 4, 7]), torch.tensor([0, 2, 3, 6, 7]),
+        torch.tensor([0.5, 1.0, 0.0, 2.0, 0.7]), torch.tensor([0, 3, 0, 1, 0]), torch.tensor([1.0, 0.9, 1.0, 0.5, 1.0]),
+        torch.tensor([0.3, 0.7, 1.0, 0.1, 0.5]),
         cache, cache.clone(),
     )
 
 
 def dynamic_shapes() -> dict[str, dict[int, Dim]]:
     tokens, rows, sampled, slots = Dim("tokens"), Dim("rows"), Dim("sampled_rows"), Dim("cache_slots")
+    banned = Dim("banned_rows")
     decode, decode_past = Dim("decode_rows"), Dim("decode_past")
     prefill, prefill_new, prefill_past = Dim("prefill_rows"), Dim("prefill_new"), Dim("prefill_past")
     prefill_keys = Dim("prefill_keys")  # = prefill_past + prefill_new (Dim algebra cannot say so)
@@ -53,7 +54,7 @@ def dynamic_shapes() -> dict[str, dict[int, Dim]]:
         "decode_mask": {0: decode, 1: decode_past + 1},
         "prefill_tokens": {0: prefill, 1: prefill_new}, "prefill_slots": {0: prefill, 1: prefill_past},
         "prefill_mask": {0: prefill, 1: prefill_keys}, "token_order": {0: tokens},
-        "logit_tokens": {0: rows}, "ban_eos": {0: rows},
+        "logit_tokens": {0: rows}, "ban_rows": {0: banned},
         "sample_rows": {0: sampled}, "temperature": {0: sampled}, "top_k": {0: sampled}, "top_p": {0: sampled},
         "uniform": {0: sampled},
         "key_cache": {2: slots}, "value_cache": {2: slots},

@@ -4,10 +4,12 @@ The engine never sees vocabulary-sized tensors: the step turns each row's logits
 id and its log-probability (plus the top-n log-probabilities for rows that ask), so on a GPU the
 logits never leave the device and on a CPU the work runs in the runtime's threads.
 
-Per row, the host supplies temperature (0 = greedy), top_k (0 = off), top_p, a flag that bans the
-end-of-sequence ids (`min_tokens`) and one uniform number in (0, 1] drawn from the request's own
-generator. Everything else is per-row arithmetic, so a seeded request gets the same tokens
-whatever its batch-mates.
+The host names the rows whose end-of-sequence ids are banned (`min_tokens` not reached) and the
+rows that sample or want log-probabilities; for those it supplies temperature (0 = greedy), top_k
+(0 = off), top_p and one uniform number in (0, 1] drawn from the request's own generator.
+Everything else is per-row arithmetic, so a seeded request gets the same tokens whatever its
+batch-mates. Vocabulary-sized work beyond the argmax is done only for the rows that need it: a
+greedy row that asks for nothing costs one argmax.
 
 Exactness (no full sort of the vocabulary anywhere):
 - greedy rows: exactly the argmax of the logits (first index on ties, as numpy's argmax);
@@ -46,8 +48,8 @@ class SamplingHead(nn.Module):
     def forward(
         self,
         logits: torch.Tensor,  # [R, V] float32
-        ban_eos: torch.Tensor,  # [R] bool
-        sample_rows: torch.Tensor,  # [M] rows (of R) that sample or want top log-probabilities
+        ban_rows: torch.Tensor,  # [K] rows (of R) whose end-of-sequence ids are banned
+        sample_rows: torch.Tensor,  # [M] rows (of R) that sample or want log-probabilities
         temperature: torch.Tensor,  # [M] float32, 0 = greedy
         top_k: torch.Tensor,  # [M] int64, 0 = off
         top_p: torch.Tensor,  # [M] float32 in (0, 1]
@@ -55,11 +57,14 @@ class SamplingHead(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.never_mask is not None:
             logits = torch.where(self.never_mask[None, :], float("-inf"), logits)
-        logits = torch.where(ban_eos[:, None] & self.eos_mask[None, :], float("-inf"), logits)
-        greedy = logits.argmax(-1)
-        peak = logits.max(-1, keepdim=True).values
-        log_norm = (torch.log(torch.exp(logits - peak).sum(-1, keepdim=True)) + peak)[:, 0]  # ORT's LogSumExp is slow
+        banned = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device).index_put(
+            (ban_rows,), torch.ones_like(ban_rows, dtype=torch.bool))
+        without_eos = torch.where(self.eos_mask[None, :], float("-inf"), logits[ban_rows])
+        greedy = logits.argmax(-1).index_put((ban_rows,), without_eos.argmax(-1))
         rows = logits[sample_rows]
+        rows = torch.where(banned[sample_rows][:, None] & self.eos_mask[None, :], float("-inf"), rows)
+        peak = rows.max(-1, keepdim=True).values
+        log_norm = torch.log(torch.exp(rows - peak).sum(-1)) + peak[:, 0]  # ORT's ReduceLogSumExp is slow
         candidates, candidate_ids = rows.topk(self.candidates, -1)  # sorted, most likely first
         scale = torch.where(temperature > 0, temperature, torch.ones_like(temperature))[:, None]
         top = candidates[:, :1]
@@ -74,8 +79,8 @@ class SamplingHead(nn.Module):
         sampled = torch.where(restricted, by_rank, by_vocab)
         sampled = torch.where(temperature > 0, sampled, greedy[sample_rows])
         tokens = greedy.index_put((sample_rows,), sampled)
-        token_logprobs = logits.gather(1, tokens[:, None])[:, 0] - log_norm
-        top_logprobs = candidates[:, : self.top_n] - log_norm[sample_rows][:, None]
+        token_logprobs = rows.gather(1, sampled[:, None])[:, 0] - log_norm
+        top_logprobs = candidates[:, : self.top_n] - log_norm[:, None]
         return tokens, token_logprobs, candidate_ids[:, : self.top_n], top_logprobs
 
 

@@ -19,8 +19,8 @@ Signature (L layers, H kv heads, D head dim, V vocabulary; T, Bd, Pd, Bp, Sp, Pp
     prefill_mask    bool  [Bp, Pp + Sp]
     token_order     int64 [T]            where token t sits in (decode rows, then prefill rows x Sp)
     logit_tokens    int64 [R]            packed index of each token whose successor is wanted
-    ban_eos         bool  [R]            min_tokens not reached: the end-of-sequence ids are banned
-    sample_rows     int64 [M]            rows (of R) that sample or want top log-probabilities
+    ban_rows        int64 [K]            rows (of R) whose end-of-sequence ids are banned (min_tokens)
+    sample_rows     int64 [M]            rows (of R) that sample or want log-probabilities
     temperature     f32   [M]            0 = greedy
     top_k           int64 [M]            0 = off
     top_p           f32   [M]
@@ -29,7 +29,7 @@ Signature (L layers, H kv heads, D head dim, V vocabulary; T, Bd, Pd, Bp, Sp, Pp
     value_cache     [L, H, N, D]
     ->
     next_tokens     int64 [R]
-    token_logprobs  f32   [R]            log-probability of each next token under the model
+    token_logprobs  f32   [M]            log-probability of each sampled row's token under the model
     top_ids         int64 [M, n]         the n most likely tokens of each sampled row
     top_logprobs    f32   [M, n]
     logits          f32   [R, V]         for verification; the engine never fetches them
@@ -130,7 +130,7 @@ class DecoderStep(nn.Module):
         prefill_mask: torch.Tensor,
         token_order: torch.Tensor,
         logit_tokens: torch.Tensor,
-        ban_eos: torch.Tensor,
+        ban_rows: torch.Tensor,
         sample_rows: torch.Tensor,
         temperature: torch.Tensor,
         top_k: torch.Tensor,
@@ -170,8 +170,10 @@ class DecoderStep(nn.Module):
             new_keys.append(new_kv[:kv_heads])
             new_values.append(new_kv[kv_heads:])
         last = _take(h[0], logit_tokens)[None]
-        logits = self.lm_head(_rms_norm(self.norm, last))[0, :, : self.vocab_size].float()
-        sampled = self.sampler(logits, ban_eos, sample_rows, temperature, top_k, top_p, uniform)
+        logits = self.lm_head(_rms_norm(self.norm, last))[0].float()
+        if self.vocab_size < logits.shape[1]:
+            logits = logits[:, : self.vocab_size]
+        sampled = self.sampler(logits, ban_rows, sample_rows, temperature, top_k, top_p, uniform)
         return (*sampled, logits, torch.stack(new_keys), torch.stack(new_values))
 
     def _rotary(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

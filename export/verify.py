@@ -92,7 +92,7 @@ def pack(rows: list[Row], key_cache: np.ndarray, value_cache: np.ndarray) -> dic
         "decode_tokens": dec_tokens, "decode_slots": dec_slots, "decode_mask": dec_mask,
         "prefill_tokens": pre_tokens, "prefill_slots": pre_slots, "prefill_mask": pre_mask, "token_order": order,
         "logit_tokens": starts[1:] - 1,
-        "ban_eos": np.array([r.sampling.ban_eos for r in rows], bool),
+        "ban_rows": np.array([i for i, r in enumerate(rows) if r.sampling.ban_eos], np.int64),
         "sample_rows": np.array(sampled, np.int64),
         "temperature": np.array([x.temperature for x in s], np.float32),
         "top_k": np.array([x.top_k for x in s], np.int64),

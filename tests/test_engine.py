@@ -220,7 +220,7 @@ def test_the_step_bans_the_end_of_sequence_until_min_tokens_and_seeds_draw_their
     for s, generated in zip(seqs, (2, 2, 0, 5)):
         s.output_ids = [1] * generated
     feeds = sampling_inputs(seqs, np.random.default_rng(0))
-    assert feeds["ban_eos"].tolist() == [True, False, False, False]
+    assert feeds["ban_rows"].tolist() == [0]
     assert feeds["sample_rows"].tolist() == [0, 1, 3]  # the greedy row needs no sampling
     assert feeds["uniform"][2] == np.float32(1.0 - np.random.default_rng(11).random())
 

@@ -95,7 +95,8 @@ def head_run(logits: np.ndarray, rows: list[Sampling]) -> np.ndarray:
     chosen = [i for i, r in enumerate(rows) if r.temperature > 0 or r.top_k or r.top_p < 1]
     picked = [rows[i] for i in chosen]
     with torch.no_grad():
-        tokens, *_ = head(torch.from_numpy(logits), torch.tensor([r.ban_eos for r in rows]),
+        tokens, *_ = head(torch.from_numpy(logits), torch.tensor([i for i, r in enumerate(rows) if r.ban_eos],
+                                                                 dtype=torch.long),
                           torch.tensor(chosen, dtype=torch.long),
                           torch.tensor([r.temperature for r in picked], dtype=torch.float32),
                           torch.tensor([r.top_k for r in picked], dtype=torch.long),

@@ -4,9 +4,18 @@ Paging (as in vLLM) lets the budget be spent on tokens that exist rather than on
 maximum length every sequence might reach, so more sequences fit in the same memory.
 The cache arrays themselves live in the runner; this class hands out block numbers and keeps
 them in a table (one row per sequence holding blocks) that the step builder reads in one go.
+
+Automatic prefix caching: a block full of computed tokens is known by a hash of its tokens and
+of the blocks before it. A sequence whose tokens start with known blocks reuses them (reference
+counted) and computes only the rest. A block nobody uses any more keeps its contents and its
+hash until its space is needed: free blocks without contents are handed out first, then cached
+ones, least recently freed first. Shared blocks are only ever full ones, and a sequence always
+computes at least its last token, so nobody writes into a block another sequence reads.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import numpy as np
 
@@ -14,26 +23,42 @@ from engine.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, max_rows: int, max_tokens_per_seq: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, max_rows: int, max_tokens_per_seq: int,
+                 prefix_caching: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("the KV cache needs at least one block of at least one token")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low numbers first
+        self.prefix_caching = prefix_caching
+        self._plain = list(range(num_blocks - 1, -1, -1))  # free, no contents; pop() hands out low numbers first
+        self._cached: OrderedDict[int, None] = OrderedDict()  # free with contents, least recently freed first
+        self._refs = [0] * num_blocks
+        self._hash: list[int | None] = [None] * num_blocks
+        self._tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self._by_hash: dict[int, int] = {}
         self.table = np.zeros((max_rows, self.blocks_for(max_tokens_per_seq)), np.int64)
         self._free_rows = list(range(max_rows - 1, -1, -1))
         # position -> (block index in the sequence's table, offset in the block), computed once
         self.positions = np.arange(max_tokens_per_seq + 1)
         self.block_of = self.positions // block_size
         self.offset_of = self.positions % block_size
+        self.query_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.hit_tokens = 0  # of which found cached
+
+    # ----- sizes -------------------------------------------------------------------------------
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._plain) + len(self._cached)
 
     @property
     def usage(self) -> float:
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - self.num_free / self.num_blocks
+
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks whose contents are known by hash (in use or free)."""
+        return len(self._by_hash)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -43,22 +68,99 @@ class BlockManager:
         return max(0, self.blocks_for(num_tokens) - len(seq.blocks))
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.extra_blocks(seq, num_tokens) <= len(self._free)
+        return self.extra_blocks(seq, num_tokens) <= self.num_free
+
+    # ----- allocation --------------------------------------------------------------------------
+
+    def lookup(self, seq: Sequence) -> list[int]:
+        """The cached blocks a waiting sequence can start from (nothing is taken yet)."""
+        return self._lookup(seq) if self.prefix_caching else []
+
+    def admit(self, seq: Sequence, hits: list[int], new_tokens: int, reserve: int = 0) -> bool:
+        """Gives a waiting sequence its cached prefix `hits` and blocks for `new_tokens` beyond it;
+        False (nothing changed) if that would leave fewer than `reserve` blocks free."""
+        cached = len(hits) * self.block_size
+        revived = sum(1 for b in hits if not self._refs[b])  # free cached blocks taken back into use
+        if self.blocks_for(cached + new_tokens) - len(hits) + revived + reserve > self.num_free:
+            return False
+        if self.prefix_caching:
+            self.query_tokens += seq.num_tokens
+            self.hit_tokens += cached
+        for block in hits:
+            if not self._refs[block]:
+                del self._cached[block]
+            self._refs[block] += 1
+        seq.block_hashes = [self._hash[b] for b in hits]
+        self._assign(seq, hits)
+        seq.num_cached = cached
+        self.grow(seq, cached + new_tokens)
+        return True
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         need = self.extra_blocks(seq, num_tokens)
-        if need > len(self._free):
-            raise RuntimeError(f"KV cache exhausted: need {need} blocks, {len(self._free)} free")
+        if need > self.num_free:
+            raise RuntimeError(f"KV cache exhausted: need {need} blocks, {self.num_free} free")
+        fresh = [self._take() for _ in range(need)]
+        for block in fresh:
+            self._refs[block] = 1
+        self._assign(seq, fresh)
+
+    def _take(self) -> int:
+        if self._plain:
+            return self._plain.pop()
+        block, _ = self._cached.popitem(last=False)  # evict the least recently freed
+        if self._by_hash.get(self._hash[block]) == block:
+            del self._by_hash[self._hash[block]]
+        self._hash[block] = self._tokens[block] = None
+        return block
+
+    def _assign(self, seq: Sequence, blocks: list[int]) -> None:
         if seq.row is None:
             seq.row = self._free_rows.pop()
         start = len(seq.blocks)
-        seq.blocks.extend(self._free.pop() for _ in range(need))
-        self.table[seq.row, start : len(seq.blocks)] = seq.blocks[start:]
+        seq.blocks.extend(blocks)
+        self.table[seq.row, start : len(seq.blocks)] = blocks
 
     def release(self, seq: Sequence) -> None:
-        self._free.extend(reversed(seq.blocks))
+        for block in reversed(seq.blocks):
+            self._refs[block] -= 1
+            if self._refs[block]:
+                continue
+            if self._hash[block] is None:
+                self._plain.append(block)
+            else:
+                self._cached[block] = None
         seq.blocks = []
+        seq.block_hashes = []
         seq.num_cached = 0
         if seq.row is not None:
             self._free_rows.append(seq.row)
             seq.row = None
+
+    # ----- the prefix cache --------------------------------------------------------------------
+
+    def _lookup(self, seq: Sequence) -> list[int]:
+        """Cached blocks that equal the sequence's leading full blocks, short of its last token
+        (which must be computed: its logits give the next token)."""
+        hits, parent = [], None
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            tokens = seq.token_slice(i * self.block_size, (i + 1) * self.block_size)
+            parent = hash((parent, tokens))
+            block = self._by_hash.get(parent)
+            if block is None or self._tokens[block] != tokens:  # a hash collision is a miss
+                break
+            hits.append(block)
+        return hits
+
+    def commit(self, seq: Sequence) -> None:
+        """Makes the sequence's newly filled blocks findable by later sequences."""
+        size = self.block_size
+        while len(seq.block_hashes) < seq.num_cached // size:
+            i = len(seq.block_hashes)
+            tokens = seq.token_slice(i * size, (i + 1) * size)
+            parent = hash((seq.block_hashes[-1] if i else None, tokens))
+            seq.block_hashes.append(parent)
+            block = seq.blocks[i]
+            if self._hash[block] is None:
+                self._hash[block], self._tokens[block] = parent, tokens
+                self._by_hash.setdefault(parent, block)

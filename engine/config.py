@@ -21,7 +21,10 @@ class EngineConfig:
     max_waiting_seqs: int = 64  # accepted, not yet admitted; beyond it requests wait in Triton's queue
     kv_cache_tokens: int = 32768  # cache budget; x runtime bytes_per_token = memory
     block_size: int = 16  # tokens per KV-cache block
-    max_prefill_tokens: int = 4096  # padded tokens in one prefill step (bounds its latency)
+    max_num_batched_tokens: int = 512  # tokens in one step: decode rows plus prefill chunks (bounds its latency)
+    long_prefill_token_threshold: int = 128  # a longer prompt gets at most this many tokens per step (0 = no cap)
+    enable_chunked_prefill: bool = True  # prefill long prompts a chunk per step, beside the decoding sequences
+    enable_prefix_caching: bool = True  # reuse the cached blocks of prompts that start the same way
     max_input_bytes: int = 16384  # text_input larger than this is refused before tokenizing
     default_max_tokens: int = 16  # vLLM's default when sampling_parameters has no max_tokens
     oom_backoff_seconds: float = 30.0  # after a real OOM, admit at most half the failing batch this long
@@ -36,11 +39,19 @@ class EngineConfig:
             raise ValueError(f"parameter fault_mode must be one of {FAULT_MODES}; got {self.fault_mode!r}")
         if self.scheduling not in SCHEDULING:
             raise ValueError(f"parameter scheduling must be one of {SCHEDULING}; got {self.scheduling!r}")
-        positive = ("max_num_seqs", "max_waiting_seqs", "kv_cache_tokens", "block_size", "max_prefill_tokens",
+        positive = ("max_num_seqs", "max_waiting_seqs", "kv_cache_tokens", "block_size", "max_num_batched_tokens",
                     "max_input_bytes", "default_max_tokens")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("parameter long_prefill_token_threshold must be >= 0 (0: no cap); "
+                             f"got {self.long_prefill_token_threshold}")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"parameter {name} must be >= 1; got {getattr(self, name)}")
+        if self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"parameter max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
+                f"({self.max_num_seqs}) with chunked prefill: every running sequence decodes in every step"
+            )
 
     @classmethod
     def from_parameters(cls, params: dict[str, str], **fixed) -> EngineConfig:
@@ -49,7 +60,7 @@ class EngineConfig:
         unknown = sorted(set(params) - set(types) - set(fixed))
         if unknown:
             raise ValueError(f"unknown engine parameter(s) {unknown}; known: {sorted(types)}")
-        converters = {"int": int, "float": float, "str": str, "Path": Path}
+        converters = {"int": int, "float": float, "str": str, "Path": Path, "bool": _bool}
         values = {}
         for name, raw in params.items():
             try:
@@ -60,3 +71,9 @@ class EngineConfig:
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)
+
+
+def _bool(raw: str) -> bool:
+    if raw.strip().lower() not in ("true", "false"):
+        raise ValueError(raw)
+    return raw.strip().lower() == "true"

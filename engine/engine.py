@@ -51,7 +51,8 @@ class Engine:
         self.codec = TextCodec.from_file(model_dir / "tokenizer.json", self.spec.vocab_size)
         num_blocks = -(-config.kv_cache_tokens // config.block_size)
         self.max_len = min(self.spec.context_length, num_blocks * config.block_size)
-        self.blocks = BlockManager(num_blocks, config.block_size, config.max_num_seqs, self.max_len)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.max_num_seqs, self.max_len,
+                                   config.enable_prefix_caching)
         self.runner = runner or build_runner(config.runtime, model_dir, self.spec, num_blocks * config.block_size,
                                              config.device, config.threads)
         self.policy = policy_for(config.scheduling)
@@ -325,6 +326,8 @@ class Engine:
         s.waiting = len(self.scheduler.waiting)
         s.kv_usage = self.blocks.usage
         s.preemptions = self.scheduler.preemptions
+        s.prefix_query_tokens, s.prefix_hit_tokens = self.blocks.query_tokens, self.blocks.hit_tokens
+        s.cached_blocks = self.blocks.cached_blocks
         if self._room_waiters and self.queued() < self.config.max_waiting_seqs:
             with self._room:
                 self._room.notify_all()

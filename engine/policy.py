@@ -15,7 +15,7 @@ from engine.sequence import Sequence
 class BatchingPolicy:
     """Continuous batching."""
 
-    bounds_prefill = True  # admissions respect max_prefill_tokens
+    chunks = True  # prompts may be prefilled a chunk per step, beside the decoding sequences
 
     def may_admit(self, running: list[Sequence]) -> bool:
         return True
@@ -35,7 +35,7 @@ class BatchingPolicy:
 class StaticPolicy(BatchingPolicy):
     """Request-level batching: one Triton batch (group) at a time, run to completion."""
 
-    bounds_prefill = False  # the whole Triton batch is admitted, as a padded generate call would
+    chunks = False  # whole prompts, in steps of their own, as a padded generate call runs them
 
     def may_admit(self, running: list[Sequence]) -> bool:
         return not running

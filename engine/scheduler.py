@@ -1,13 +1,22 @@
 """Iteration-level scheduling: which sequences run in the next step, and what a step did to them.
 
-Every iteration either admits waiting sequences (a prefill step) or advances every running
-sequence by one token (a decode step). Admission is bounded by `max_num_seqs`, by the KV-cache
-blocks, and by a padded-token budget per prefill. When a running sequence cannot grow, the
-youngest running sequence is preempted: its blocks are freed and it is recomputed later.
+With chunked prefill (the default), every step carries every running sequence that decodes
+(one token each), then the prompts still being prefilled, then newly admitted sequences, all
+within a budget of `max_num_batched_tokens` tokens; a prompt longer than
+`long_prefill_token_threshold` gets at most that many tokens per step. A long prompt is
+prefilled a chunk per step while the others keep decoding, so no step is much longer than a
+decode step, and short prompts are not held back behind it. Without chunked prefill, a step
+either admits waiting sequences and prefills their whole prompts, or decodes every running one.
+A waiting sequence whose next prompt block another sequence is computing right now waits for
+that block to be cached rather than computing it again (one instruction, many inputs).
+Admission is also bounded by `max_num_seqs` and by the KV-cache blocks, and a sequence admitted
+with a cached prefix (engine/block_manager.py) only computes the rest. When a running sequence
+cannot grow, the youngest running sequence is preempted: its blocks are released (its computed
+blocks stay cached) and it is recomputed later.
 
-After a step, `update` owns the bookkeeping: cached counts, appended tokens, and which
-sequences ended (end-of-sequence token, `max_tokens`; admission already checked that prompt +
-`max_tokens` fit the context). The batching policy
+After a step, `update` owns the bookkeeping: cached counts, appended tokens, which sequences
+ended (end-of-sequence token, `max_tokens`; admission already checked that prompt + `max_tokens`
+fit the context), and the blocks the prefix cache may now offer to others. The batching policy
 (engine/policy.py) decides who may join a step and whether a finished row leaves at once.
 """
 
@@ -74,49 +83,95 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledStep | None:
-        admitted = self._admit()
+        budget = self.config.max_num_batched_tokens
+        if self.config.enable_chunked_prefill and self.policy.chunks:
+            work = self._decode_rows() + self._prefill_chunks()
+            admitted = self._admit(budget - sum(w.new for w in work))
+            work += admitted
+            return ScheduledStep(work, prefill=any(w.new > 1 for w in work) or bool(admitted)) if work else None
+        admitted = self._admit(budget if self.policy.chunks else None)
         if admitted:
-            return ScheduledStep([Work(s, s.num_tokens - s.num_cached) for s in admitted], prefill=True)
-        decoding = self._grow_running()
-        return ScheduledStep([Work(s, 1) for s in decoding], prefill=False) if decoding else None
+            return ScheduledStep(admitted, prefill=True)
+        work = self._decode_rows()
+        return ScheduledStep(work, prefill=False) if work else None
 
-    def _admit(self) -> list[Sequence]:
+    def _admit(self, budget: int | None) -> list[Work]:
+        """Waiting sequences that fit, in order. With chunked prefill (a running step), each gets a
+        chunk of its uncached tokens within the budget; otherwise (a prefill step) whole prompts,
+        the first even beyond the budget (or a long prompt could never run); budget None: no limit."""
         if not self.policy.may_admit(self.running):
             return []
+        chunked = self.config.enable_chunked_prefill and self.policy.chunks
         cap = min(self.admit_cap, self.config.max_num_seqs - len(self.running))
-        admitted: list[Sequence] = []
-        longest = 0
-        while self.waiting and len(admitted) < cap:
-            seq = self.waiting[0]
-            if admitted and not self.policy.may_join(seq, admitted[0]):
+        admitted: list[Work] = []
+        for seq in list(self.waiting):
+            if len(admitted) >= cap or (budget is not None and budget <= 0 and admitted):
                 break
-            longest = max(longest, seq.num_tokens)
-            padded = longest * (len(admitted) + 1)
-            if admitted and self.policy.bounds_prefill and padded > self.config.max_prefill_tokens:
+            if admitted and not self.policy.may_join(seq, admitted[0].seq):
+                break
+            hits = self.blocks.lookup(seq)
+            if chunked and self._prefix_in_flight(seq, len(hits), [w.seq for w in admitted]):
+                continue  # its next block is being computed by another sequence: reuse it next step
+            pending = seq.num_tokens - len(hits) * self.blocks.block_size
+            new = min(pending, budget, self._chunk_cap(pending)) if chunked else pending
+            if new <= 0 or (not chunked and admitted and budget is not None and new > budget):
                 break
             reserve = self._watermark if self.running or admitted else 0
-            if self.blocks.extra_blocks(seq, seq.num_tokens) + reserve > self.blocks.num_free:
+            if not self.blocks.admit(seq, hits, new, reserve):
                 break
-            self.blocks.grow(seq, seq.num_tokens)
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = Status.RUNNING
-            admitted.append(seq)
+            admitted.append(Work(seq, new, samples=new == pending))
+            if budget is not None:
+                budget -= new
         if admitted:  # kept oldest first: preemption takes the youngest from the end
-            self.running = sorted(self.running + admitted, key=lambda s: s.order)
+            self.running = sorted(self.running + [w.seq for w in admitted], key=lambda s: s.order)
         return admitted
 
-    def _grow_running(self) -> list[Sequence]:
-        """Room for one more token per running sequence, oldest first; preempts the youngest.
+    def _chunk_cap(self, pending: int) -> int:
+        threshold = self.config.long_prefill_token_threshold
+        return threshold if 0 < threshold < pending else pending
 
-        Only a sequence whose next token starts a new block needs anything from the block manager.
-        """
+    def _prefix_in_flight(self, seq: Sequence, hit_blocks: int, admitted: list[Sequence]) -> bool:
+        """Whether a sequence that is still prefilling will soon cache `seq`'s next full block."""
+        if not self.blocks.prefix_caching:
+            return False
+        end = (hit_blocks + 1) * self.blocks.block_size
+        if end > seq.num_tokens - 1:
+            return False  # no further full block to share
+        prefix = seq.token_slice(0, end)
+        return any(other.num_cached < end <= other.num_tokens - 1 and other.token_slice(0, end) == prefix
+                   for other in [*self.running, *admitted] if other.num_tokens - other.num_cached > 1)
+
+    def _decode_rows(self) -> list[Work]:
+        """One more token for every running sequence that has computed all its tokens but the last,
+        oldest first; the youngest is preempted while one cannot grow. Only a sequence whose next
+        token starts a new block needs anything from the block manager."""
         size = self.blocks.block_size
         for seq in [s for s in self.running if len(s.blocks) * size < s.num_tokens]:
+            if seq.num_tokens - seq.num_cached > 1:
+                continue  # still prefilling: gets its blocks with its next chunk
             while seq.status is Status.RUNNING and not self.blocks.can_grow(seq, seq.num_tokens):
                 self.preempt(self.running[-1])
             if seq.status is Status.RUNNING:
                 self.blocks.grow(seq, seq.num_tokens)
-        return list(self.running)
+        return [Work(s, 1) for s in self.running if s.num_tokens - s.num_cached == 1]
+
+    def _prefill_chunks(self) -> list[Work]:
+        """The next chunk of each running sequence still prefilling, within the step's budget."""
+        budget = self.config.max_num_batched_tokens - sum(1 for s in self.running if s.num_tokens - s.num_cached == 1)
+        work = []
+        for seq in [s for s in self.running if s.num_tokens - s.num_cached > 1]:
+            if budget <= 0:
+                break
+            pending = seq.num_tokens - seq.num_cached
+            new = min(pending, budget, self._chunk_cap(pending))
+            if not self.blocks.can_grow(seq, seq.num_cached + new):
+                break  # waits for blocks; never preempts the decoding sequences
+            self.blocks.grow(seq, seq.num_cached + new)
+            work.append(Work(seq, new, samples=seq.num_cached + new == seq.num_tokens))
+            budget -= new
+        return work
 
     def preempt(self, seq: Sequence) -> None:
         """Frees the sequence's cache and puts it first in line; it will be recomputed."""
@@ -142,8 +197,12 @@ class Scheduler:
         A plain loop: per row it is a list append and two comparisons, cheaper than building
         arrays for them at any batch size the engine runs (measured; see BENCHMARKS.md).
         """
+        size = self.blocks.block_size
         for w in work:
-            w.seq.num_cached += w.new
+            seq = w.seq
+            seq.num_cached += w.new
+            if self.blocks.prefix_caching and seq.num_cached // size > len(seq.block_hashes):
+                self.blocks.commit(seq)
         eos = self.eos
         ended = []
         for seq, token in zip(sampled, tokens.tolist()):

@@ -36,6 +36,7 @@ class Sequence:
     deadline: float | None = None  # time.monotonic() after which nobody will read the answer
     output_ids: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # prefix-cache keys of its leading full blocks
     row: int | None = None  # its row in the block manager's table while it holds blocks
     num_cached: int = 0  # leading tokens whose K/V are in the cache
     status: Status = Status.WAITING
@@ -56,6 +57,12 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_slice(self, start: int, end: int) -> tuple[int, ...]:
+        prompt = len(self.prompt_ids)
+        if end <= prompt:
+            return tuple(self.prompt_ids[start:end])
+        return tuple(self.all_ids[start:end])
 
     def token_at(self, index: int) -> int:
         prompt = len(self.prompt_ids)

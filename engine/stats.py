@@ -23,6 +23,9 @@ class EngineStats:
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
+    prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # of which found there (not computed again)
+    cached_blocks: int = 0  # KV blocks whose contents the prefix cache can offer
     step_sizes: dict[int, int] = field(default_factory=dict)  # batch size -> steps of that size
     runner_seconds: float = 0.0  # time inside the runner's step: the rest of a step is host work
     step_seconds: float = 0.0  # time of whole steps (schedule, build, run, update, respond)

@@ -237,7 +237,35 @@ def build(system: str, args: argparse.Namespace):
             "ceiling-sampled": lambda: Ceiling(SAMPLED)}[system]()
 
 
+def run_scenario(args: argparse.Namespace) -> int:
+    from loadtest import scenarios
+
+    console = Console(width=160)
+    repeats = args.repeats or 5
+    out_dir = args.out or Path("results") / time.strftime(f"bench-{args.scenario}-%Y%m%d-%H%M%S")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    bar = tqdm(total=2 * repeats, desc=args.scenario, unit="run")
+    started = time.monotonic()
+    from server.serve import parse_params
+
+    outcomes = scenarios.run_scenario(args.scenario, repeats, args.seed, progress=bar.update,
+                                      params=parse_params(args.param))
+    bar.close()
+    table = scenarios.markdown(args.scenario, outcomes)
+    command = " ".join(["batchstring bench --scenario", args.scenario, *(f"--param {p}" for p in args.param)])
+    meta = {"command": command, "repeats": repeats, "machine": machine(),
+            "seconds": round(time.monotonic() - started, 1)}
+    (out_dir / "scenario.json").write_text(json.dumps({"meta": meta, "outcomes": [asdict(o) for o in outcomes]},
+                                                      indent=2))
+    (out_dir / "scenario.md").write_text(table + "\n")
+    console.print(table)
+    console.print(f"\nwrote {out_dir}/scenario.json, scenario.md in {meta['seconds']:.0f} s")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.scenario != "sweep":
+        return run_scenario(args)
     console = Console(width=160)
     levels = CONCURRENCY
     per_level = (lambda c: max(8, c)) if args.quick else (lambda c: max(16, 2 * c))
@@ -297,6 +325,11 @@ def machine() -> dict:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--scenario", choices=("sweep", "shared-prefix"), default="sweep",
+                   help="sweep: concurrency sweep vs baselines (default); shared-prefix: prefix caching on vs off "
+                        "(loadtest/scenarios.py)")
+    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                   help="engine parameter for the scenario's servers (repeatable)")
     p.add_argument("--quick", action="store_true", help="fewer and shorter requests (about 2 minutes)")
     p.add_argument("--systems", nargs="*", choices=SYSTEMS, help="measure only these (default: all)")
     p.add_argument("--repeats", type=int, help="runs per point, medians reported (default 2; --quick 1)")

@@ -9,6 +9,8 @@ Sections (`--only` picks some):
   (loadtest/host_overhead.py).
 - vocab: the host table again on a random small Llama with a 128k-token vocabulary, exported
   through `batchstring export --model` (built once under results/).
+- interference: inter-token latency of decoding sequences while long prompts arrive, chunked
+  prefill on vs off (loadtest/interference.py).
 """
 
 from __future__ import annotations
@@ -32,12 +34,12 @@ from engine.output import RequestOutput
 from engine.sampling import SamplingParams
 from engine.sequence import Sequence
 from export.layout import MODEL_VERSION_DIR
-from loadtest import host_overhead
+from loadtest import host_overhead, interference
 from loadtest.workload import Item, mixed
 
 MODES = ("static", "continuous")
 CEILING_BATCHES = (1, 2, 4, 8, 16, 32, 64)
-SECTIONS = ("scheduling", "ceiling", "host", "vocab")
+SECTIONS = ("scheduling", "ceiling", "host", "vocab", "interference")
 VOCAB = 128256  # Llama 3's vocabulary size
 
 
@@ -197,6 +199,12 @@ def run(args: argparse.Namespace) -> int:
         bar.close()
         report_host(console, hosts, describe_model(path))
         report_data[section] = [{**asdict(h), "share": h.share, "of_runner": h.of_runner} for h in hosts]
+    if "interference" in sections:
+        bar = tqdm(total=6, desc="interference", unit="run", leave=False)
+        runs = interference.compare(model_dir, repeats=3, progress=bar.update)
+        bar.close()
+        report_interference(console, runs)
+        report_data["interference"] = [asdict(r) for r in runs]
     if args.profile:
         console.print(host_overhead.profile_host(model_dir, out=args.profile))
         console.print(f"cProfile stats written to {args.profile} (python -m pstats {args.profile})")
@@ -239,6 +247,20 @@ def report_ceiling(console: Console, ceiling: dict[int, float]) -> None:
     for b, tps in ceiling.items():
         ceil.add_row(str(b), f"{tps:.0f}")
     console.print(ceil)
+
+
+def report_interference(console: Console, runs: list[interference.Interference]) -> None:
+    on, off = (next(r for r in runs if r.chunked is c) for c in (True, False))
+    table = Table(title=f"long-prompt interference: 32 decoding sequences, a 450-token prompt every 0.5 s "
+                        f"({on.long_prompts} per run; median of 3)")
+    for col in ("chunked prefill", "out tok/s", "inter-token p50", "p99", "max"):
+        table.add_column(col, justify="right")
+    for r in (on, off):
+        table.add_row("on" if r.chunked else "off", f"{r.tokens_per_s:.0f}", f"{r.itl_p50_ms:.1f} ms",
+                      f"{r.itl_p99_ms:.1f} ms", f"{r.itl_max_ms:.1f} ms")
+    table.add_row("on / off", f"{on.tokens_per_s / off.tokens_per_s:.2f}x", "",
+                  f"{off.itl_p99_ms / on.itl_p99_ms:.2f}x lower", f"{off.itl_max_ms / on.itl_max_ms:.2f}x lower")
+    console.print(table)
 
 
 def report_host(console: Console, hosts: list[host_overhead.HostResult], model: str) -> None:

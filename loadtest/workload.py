@@ -25,7 +25,7 @@ class Item:
     max_tokens: int
 
 
-def _source_tokens(codec: TextCodec) -> list[int]:
+def source_tokens(codec: TextCodec) -> list[int]:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     text = "\n".join((stdlib / name).read_text() for name in SOURCE_FILES)
     return codec.encode(text)
@@ -40,7 +40,7 @@ def mixed(count: int, prompt_tokens: tuple[int, int] = (8, 200), max_tokens: tup
     actual count is re-measured and recorded).
     """
     codec = TextCodec.from_file(model_dir / "tokenizer.json")
-    source = _source_tokens(codec)
+    source = source_tokens(codec)
     rng = np.random.default_rng(seed)
     items = []
     for _ in range(count):

@@ -236,3 +236,30 @@ def test_logprobs_come_with_each_generated_token(model_dir):
         assert len(e["top_logprobs"]) == 3 and e["logprob"] <= 0
         assert e["top_logprobs"][0]["token_id"] == e["token_id"], "greedy picks the most likely token"
         assert e["top_logprobs"][0]["logprob"] >= e["top_logprobs"][1]["logprob"] >= e["top_logprobs"][2]["logprob"]
+
+
+def shared_prefix_and_long_prompts() -> list[str]:
+    """40 prompts opening with the same ~900-character instruction, and 20 plain ones."""
+    instruction = "".join(varied_prompts(60, seed=7)[20:24])[:900]
+    return [instruction + tail[:200] for tail in varied_prompts(40, seed=11)] + varied_prompts(20, seed=3)
+
+
+def test_prefix_caching_and_chunked_prefill_give_the_tokens_of_whole_solo_prefills(model_dir):
+    prompts = shared_prefix_and_long_prompts()
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = engine(model_dir, enable_chunked_prefill=False, enable_prefix_caching=False)
+    reference = alone(plain, prompts, params)
+    eng = engine(model_dir, max_num_batched_tokens=96)
+    chunks = []
+    runner_step = eng.runner.step
+
+    def watch(batch):
+        chunks.extend(w.new for w in batch.work if not w.samples)
+        return runner_step(batch)
+
+    eng.runner.step = watch
+    seqs, _ = interleave(eng, prompts, params, per_wave=6)
+    assert [i for i, s in enumerate(seqs) if s.output_ids != reference[i]] == []
+    assert chunks and max(chunks) <= 96, "long prompts were prefilled in chunks"
+    assert eng.blocks.hit_tokens > 30 * 200, "the shared instruction was computed once and reused"
+    assert eng.blocks.num_free == eng.blocks.num_blocks and eng.blocks.cached_blocks > 0

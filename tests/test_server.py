@@ -211,3 +211,21 @@ def test_a_seeded_sampled_request_is_the_same_alone_and_among_forty_others_throu
     steps = after["batchstring_steps_total"] - before["batchstring_steps_total"]
     seqs = after["batchstring_step_sequences_total"] - before["batchstring_step_sequences_total"]
     assert seqs / steps > 4, "the crowd must really have shared steps"
+
+
+def test_shared_prefixes_through_triton_reuse_the_cache_and_give_the_reference_tokens(model_dir, server, client):
+    from tests.test_engine import shared_prefix_and_long_prompts
+
+    prompts = shared_prefix_and_long_prompts()
+    plain = engine(model_dir, enable_chunked_prefill=False, enable_prefix_caching=False)
+    expected = [plain.codec.decode(ids) for ids in alone(plain, prompts)]
+    before = metrics(server.metrics_url)
+    outputs = client.batchstring(prompts, max_tokens=24, ignore_eos=True)
+    hits = metric_reaches(server.metrics_url, "batchstring_prefix_cache_hits_total",
+                          before.get("batchstring_prefix_cache_hits_total", 0) + 30 * 200)
+    after = metrics(server.metrics_url)
+    assert [i for i, (a, b) in enumerate(zip(outputs, expected)) if a != b] == []
+    queries = after["batchstring_prefix_cache_queries_total"] - before.get("batchstring_prefix_cache_queries_total", 0)
+    hit_rate = (hits - before.get("batchstring_prefix_cache_hits_total", 0)) / queries
+    assert hit_rate > 0.4, f"the shared instruction should be computed once; hit rate {hit_rate:.2f}"
+    assert after["batchstring_prefix_cache_blocks"] > 0

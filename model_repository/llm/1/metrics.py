@@ -17,6 +17,7 @@ GAUGES = {
     "waiting": ("batchstring_waiting_sequences", "Sequences accepted by the engine, waiting for admission"),
     "kv_usage": ("batchstring_kv_cache_utilization", "Fraction of KV-cache blocks in use (0-1)"),
     "last_step_size": ("batchstring_step_batch_size", "Sequences in the most recent engine step"),
+    "cached_blocks": ("batchstring_prefix_cache_blocks", "KV-cache blocks the prefix cache can offer (in use or free)"),
 }
 COUNTERS = {
     "steps": ("batchstring_steps_total", "Engine steps (prefill and decode)"),
@@ -27,7 +28,11 @@ COUNTERS = {
     "preemptions": ("batchstring_preemptions_total", "Sequences preempted (cache freed, recomputed later)"),
     "failures_isolated": ("batchstring_failures_isolated_total", "Requests failed alone after a step error"),
     "oom_events": ("batchstring_oom_events_total", "Steps that ran out of memory"),
-    "cancelled": ("batchstring_cancelled_total", "Requests cancelled by their client"),
+    "cancelled": ("batchstring_cancelled_total", "Requests stopped because nobody will read them (cancelled, "
+                  "past their deadline, caller unreachable)"),
+    "prefix_query_tokens": ("batchstring_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache"),
+    "prefix_hit_tokens": ("batchstring_prefix_cache_hits_total", "Prompt tokens found in the prefix cache (hit rate: "
+                          "hits / queries)"),
 }
 FINISH_REASONS = ("stop", "length", "abort", "error")
 

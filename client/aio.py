@@ -13,13 +13,14 @@ from pathlib import Path
 
 import grpc
 
-from client.connection import Connection
-from client.errors import BatchError, DeadlineExceeded, ItemError, StreamBroken, is_retryable_message
+from client.connection import CallStreams, Connection
+from client.errors import INVALID_ARGUMENT, BatchError, DeadlineExceeded, ItemError, StreamBroken
 from client.protocol import GenerationOptions, Piece, build_request, encode_text
 from client.retry import RetryPolicy
 
 DEFAULT_URL = "localhost:8001"
 DEFAULT_MAX_TOKENS = 64
+MAX_MESSAGE_BYTES = 2**20  # the server's front door refuses larger gRPC messages (--max-message-bytes)
 HEALTH_PROBE_SECONDS = 2.0
 DISCOVERY_SECONDS = 30.0
 
@@ -64,7 +65,9 @@ class AsyncBatchClient:
         tls: bool = False,
         root_certificates: str | Path | None = None,
         discover: bool = False,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
     ) -> None:
+        self.max_message_bytes = max_message_bytes
         self._credentials = None
         if tls or root_certificates:
             root = Path(root_certificates).read_bytes() if root_certificates else None
@@ -78,6 +81,8 @@ class AsyncBatchClient:
         self._ids = itertools.count()
         self._prefix = f"{os.getpid():x}-{uuid.uuid4().hex[:8]}"
         self._prober: asyncio.Task | None = None
+        self._closing: set[asyncio.Task] = set()  # streams of finished calls, ending gracefully
+        self.resent = 0  # items sent again after a retryable failure (a restart, a full queue)
 
     async def __aenter__(self) -> AsyncBatchClient:
         return self
@@ -88,6 +93,7 @@ class AsyncBatchClient:
     async def close(self) -> None:
         if self._prober:
             self._prober.cancel()
+        await asyncio.gather(*self._closing, return_exceptions=True)
         await asyncio.gather(*(c.close() for c in self.connections), return_exceptions=True)
 
     async def ready(self) -> bool:
@@ -123,68 +129,119 @@ class AsyncBatchClient:
                                     tuple(stop) if stop is not None else None, ignore_eos)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (timeout if timeout is not None else self.retry.deadline)
-        results = await asyncio.gather(*(self._complete(text, options, deadline) for text in encoded),
-                                       return_exceptions=True)
-        for r in results:
-            if isinstance(r, asyncio.CancelledError):
-                raise r
+        streams = CallStreams()
+        try:
+            results = await asyncio.gather(*(self._complete(text, options, deadline, streams) for text in encoded),
+                                           return_exceptions=True)
+            for r in results:
+                if isinstance(r, asyncio.CancelledError):
+                    raise r
+        except asyncio.CancelledError:
+            await streams.close(cancel=True)  # the server stops generating this call's items
+            raise
+        # Items that ended in an error (a deadline) may still run on the server: cancelling the call's
+        # streams stops them. The call's answer need not wait for the streams to end.
+        task = asyncio.create_task(streams.close(cancel=any(isinstance(r, BaseException) for r in results)))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
         if not return_exceptions and any(isinstance(r, BaseException) for r in results):
             raise BatchError(results)
         return results
 
     async def stream(self, prompt: str, *, max_tokens: int | None = DEFAULT_MAX_TOKENS,
-                     temperature: float | None = 0.0, **sampling) -> AsyncIterator[str]:
+                     temperature: float | None = 0.0, timeout: float | None = None, **sampling) -> AsyncIterator[str]:
         """Yields text pieces as they are generated. Closing it (or cancelling the task that
-        iterates it) cancels the request on the server, which frees its cache slot."""
+        iterates it) cancels the request on the server, which frees its cache.
+
+        `timeout` bounds the whole generation (default: the retry policy's deadline); the stream
+        holds one of the client's in-flight slots; if it breaks before the first piece (a server
+        restart, a full queue) it is retried like a `batchstring` item.
+        """
         text = encode_text(prompt)
         options = GenerationOptions(max_tokens=max_tokens, temperature=temperature, **sampling)
-        conn = self._pick()
-        stream = conn.private_stream()
-        finished = False
-        try:
-            async for piece in stream.request(build_request(self._new_id(), text, options, stream=True)):
-                _raise_for(piece)
-                if piece.text:
-                    yield piece.text
-            finished = True
-        finally:
-            conn.outstanding -= 1
-            await stream.close(cancel=not finished)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (timeout if timeout is not None else self.retry.deadline)
+        attempt, started = 0, False
+        while True:
+            attempt += 1
+            async with self._slots:
+                conn = self._pick()
+                stream = conn.open_stream()
+                finished = False
+                try:
+                    pieces = stream.request(self._request(text, options, stream=True, deadline=deadline))
+                    while True:
+                        # A deadline per piece, not a timeout around the yields: those would cancel
+                        # whatever the consumer awaits between two pieces.
+                        try:
+                            piece = await asyncio.wait_for(anext(pieces), deadline - loop.time())
+                        except StopAsyncIteration:
+                            break
+                        _raise_for(piece)
+                        if piece.text:
+                            started = True
+                            yield piece.text
+                    finished = True
+                    return
+                except TimeoutError:
+                    raise DeadlineExceeded(f"the stream did not end before its deadline ({attempt} attempts)") from None
+                except ItemError as exc:
+                    if started or not exc.retryable or attempt >= self.retry.max_attempts:
+                        raise
+                    delay = self._next_delay(conn, exc, attempt, deadline)
+                finally:
+                    conn.outstanding -= 1
+                    await stream.close(cancel=not finished)
+            await asyncio.sleep(delay)
 
     # ----- one item ----------------------------------------------------------------------------
 
-    async def _complete(self, text: bytes, options: GenerationOptions, deadline: float) -> str:
+    async def _complete(self, text: bytes, options: GenerationOptions, deadline: float, streams: CallStreams) -> str:
         loop = asyncio.get_running_loop()
         attempt = 0
         while True:
             attempt += 1
-            remaining = deadline - loop.time()
-            if remaining <= 0:
+            if deadline - loop.time() <= 0:
                 raise DeadlineExceeded(f"no result before the deadline ({attempt - 1} attempts)")
-            conn = self._pick()
             try:
-                return await asyncio.wait_for(self._attempt(conn, text, options, remaining), remaining)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout_at(deadline), self._slots:
+                    conn = self._pick()  # chosen when the item is sent, not when the call began
+                    try:
+                        request = self._request(text, options, stream=False, deadline=deadline)
+                        pieces = [p async for p in streams.on(conn).request(request)]
+                    finally:
+                        conn.outstanding -= 1
+                for piece in pieces:
+                    _raise_for(piece)
+                return "".join(p.text for p in pieces)
+            except TimeoutError:
                 raise DeadlineExceeded(f"no result before the deadline (attempt {attempt} timed out)") from None
             except ItemError as exc:
                 if not exc.retryable or attempt >= self.retry.max_attempts:
                     raise
-                if isinstance(exc, StreamBroken):
-                    conn.mark_down(self.retry.initial_backoff)
-                delay = self.retry.backoff(attempt)
-                if loop.time() + delay >= deadline:
-                    raise DeadlineExceeded(f"deadline reached while retrying; last error: {exc}") from exc
-            finally:
-                conn.outstanding -= 1
+                delay = self._next_delay(conn, exc, attempt, deadline)
             await asyncio.sleep(delay)
+            self.resent += 1
 
-    async def _attempt(self, conn: Connection, text: bytes, options: GenerationOptions, remaining: float) -> str:
-        async with self._slots:
-            request = build_request(self._new_id(), text, options, stream=False, queue_timeout_us=int(remaining * 1e6))
-            pieces = [p async for p in conn.shared_stream().request(request)]
-        for piece in pieces:
-            _raise_for(piece)
-        return "".join(p.text for p in pieces)
+    def _request(self, text: bytes, options: GenerationOptions, stream: bool, deadline: float):
+        """The request for one attempt, carrying what is left of the deadline (the server drops the
+        work once nobody can read it); refused here if the server would refuse its size."""
+        remaining = deadline - asyncio.get_running_loop().time()
+        request = build_request(self._new_id(), text, options, stream=stream,
+                                timeout_us=max(1, int(remaining * 1e6)))
+        size = request.ByteSize()
+        if size > self.max_message_bytes:
+            raise ItemError(f"{INVALID_ARGUMENT}: the request is {size} bytes; the server accepts at most "
+                            f"{self.max_message_bytes} bytes per request (text_input is at most 16 KiB)")
+        return request
+
+    def _next_delay(self, conn: Connection, exc: ItemError, attempt: int, deadline: float) -> float:
+        if isinstance(exc, StreamBroken):
+            conn.mark_down(self.retry.initial_backoff)
+        delay = self.retry.backoff(attempt)
+        if asyncio.get_running_loop().time() + delay >= deadline:
+            raise DeadlineExceeded(f"deadline reached while retrying; last error: {exc}") from exc
+        return delay
 
     def _refresh_endpoints(self) -> None:
         """(Re)builds the server list; connections to servers that are still listed are kept."""
@@ -225,4 +282,4 @@ class AsyncBatchClient:
 
 def _raise_for(piece: Piece) -> None:
     if piece.error:
-        raise ItemError(piece.error, retryable=is_retryable_message(piece.error))
+        raise ItemError(piece.error)

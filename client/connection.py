@@ -1,8 +1,10 @@
-"""One server endpoint: a gRPC channel and one bidirectional stream that all items share.
+"""One server endpoint: a gRPC channel, and the bidirectional streams items travel on.
 
-Every item is its own Triton request with its own id; responses come back on the stream in any
-order and are routed to the waiting item by that id. When the stream breaks, every item still in
-flight on it is told so (and may be re-sent); a new stream is opened on next use.
+Every item is its own Triton request with its own id; responses come back on a stream in any
+order and are routed to the waiting item by that id. A `batchstring` call multiplexes its items
+over one stream per server (so cancelling the call cancels exactly its requests on the server),
+and a `stream()` has one of its own. When a stream breaks, every item still in flight on it is
+told so (and may be re-sent); a new stream is opened on next use.
 """
 
 from __future__ import annotations
@@ -104,7 +106,6 @@ class Connection:
         self.stub = service_pb2_grpc.GRPCInferenceServiceStub(self.channel)
         self.outstanding = 0
         self.down_until = 0.0
-        self._shared: _Stream | None = None
 
     @property
     def healthy(self) -> bool:
@@ -113,13 +114,7 @@ class Connection:
     def mark_down(self, seconds: float) -> None:
         self.down_until = time.monotonic() + seconds
 
-    def shared_stream(self) -> _Stream:
-        if self._shared is None or self._shared.closed:
-            self._shared = _Stream(self.stub)
-        return self._shared
-
-    def private_stream(self) -> _Stream:
-        """A stream of its own: cancelling it cancels exactly its request on the server."""
+    def open_stream(self) -> _Stream:
         return _Stream(self.stub)
 
     async def model_ready(self, timeout: float = 2.0) -> bool:
@@ -130,6 +125,22 @@ class Connection:
         return reply.ready
 
     async def close(self) -> None:
-        if self._shared is not None:
-            await self._shared.close()
         await self.channel.close()
+
+
+class CallStreams:
+    """The streams of one `batchstring` call: one per server it sends to, opened on first use and
+    re-opened after a break. Closing them gracefully lets the server finish; cancelling them
+    cancels every request of the call on the server."""
+
+    def __init__(self) -> None:
+        self._streams: dict[Connection, _Stream] = {}
+
+    def on(self, conn: Connection) -> _Stream:
+        stream = self._streams.get(conn)
+        if stream is None or stream.closed:
+            stream = self._streams[conn] = conn.open_stream()
+        return stream
+
+    async def close(self, cancel: bool) -> None:
+        await asyncio.gather(*(s.close(cancel=cancel) for s in self._streams.values()), return_exceptions=True)

@@ -15,6 +15,7 @@ from tritonclient.grpc import service_pb2
 from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
 MODEL = "llm"
+DEADLINE_PARAMETER = "deadline_us"  # request parameter: microseconds left for this request
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ def encode_text(text: str) -> bytes:
 
 
 def build_request(request_id: str, text: bytes, options: GenerationOptions, stream: bool,
-                  queue_timeout_us: int | None = None) -> service_pb2.ModelInferRequest:
+                  timeout_us: int | None = None) -> service_pb2.ModelInferRequest:
     request = service_pb2.ModelInferRequest(model_name=MODEL, id=request_id)
     _bytes_input(request, "text_input", text)
     _bool_input(request, "stream", stream)
@@ -78,8 +79,10 @@ def build_request(request_id: str, text: bytes, options: GenerationOptions, stre
         _bytes_input(request, "sampling_parameters", params.encode())
     # Reserved Triton parameter: mark the last response of each request, even an empty one.
     request.parameters["triton_enable_empty_final_response"].bool_param = True
-    if queue_timeout_us:
-        request.parameters["timeout"].int64_param = queue_timeout_us
+    if timeout_us:
+        # The engine drops the work once nobody can read it. Not Triton's own "timeout" parameter:
+        # Triton 2.51's dynamic batcher holds requests that carry a short one for hundreds of ms.
+        request.parameters[DEADLINE_PARAMETER].int64_param = timeout_us
     return request
 
 

@@ -48,6 +48,11 @@ class BatchClient:
     def ready(self) -> bool:
         return self._call(self._aio.ready())
 
+    @property
+    def resent(self) -> int:
+        """Items sent again after a retryable failure, over the client's life."""
+        return self._aio.resent
+
     def stream(self, prompt: str, **options) -> Iterator[str]:
         """Yields text pieces; closing the generator early cancels the request on the server."""
         pieces: queue.Queue = queue.Queue()

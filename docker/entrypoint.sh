@@ -1,17 +1,62 @@
-#!/bin/sh
+#!/bin/bash
 # The server command line of the batchstring image. `make test` runs this very script against the
-# local tritonserver binary (TRITONSERVER, MODEL_REPOSITORY and extra flags overridden) to prove it.
-#   - no remote model control (--model-control-mode=none); admin APIs need a header key nobody
-#     holds unless BATCHSTRING_ADMIN_KEY is set
+# local tritonserver binary (TRITONSERVER, PYTHON, MODEL_REPOSITORY and the ports overridden) to prove it.
+#   - tritonserver listens only on Unix sockets in a private directory; the bounded front door
+#     (python -m frontdoor) owns the public ports: 8000 HTTP, 8001 gRPC, 8002 metrics
+#   - no remote model control (--model-control-mode=none); admin APIs are not reachable through the
+#     front door, and need a header key besides: BATCHSTRING_ADMIN_KEY_FILE (a mounted secret),
+#     BATCHSTRING_ADMIN_KEY, or a random one nobody holds
 #   - strict readiness; 30 s to drain in-flight requests on SIGTERM (Kubernetes grace period: 45 s)
-set -eu
-ADMIN_KEY="${BATCHSTRING_ADMIN_KEY:-$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')}"
+#   - the container exits when either process exits, or when the model stays unready for
+#     BATCHSTRING_EXIT_WHEN_UNREADY seconds (default 60): restart policies act on exits only
+set -euo pipefail
+SOCKETS="${BATCHSTRING_SOCKETS:-/tmp/batchstring}"
+mkdir -p -m 700 "$SOCKETS"
+rm -f "$SOCKETS"/*.sock*
+if [ -n "${BATCHSTRING_ADMIN_KEY_FILE:-}" ]; then
+  ADMIN_KEY="$(cat "$BATCHSTRING_ADMIN_KEY_FILE")"
+else
+  ADMIN_KEY="${BATCHSTRING_ADMIN_KEY:-$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')}"
+fi
 RESTRICTED="model-repository,shared-memory,trace,logging:admin-key=${ADMIN_KEY}"
-exec "${TRITONSERVER:-tritonserver}" \
+unset BATCHSTRING_ADMIN_KEY
+
+"${TRITONSERVER:-tritonserver}" \
   --model-repository="${MODEL_REPOSITORY:-/models}" \
   --model-control-mode=none \
   --strict-readiness=true \
   --exit-timeout-secs=30 \
+  --http-address="unix:$SOCKETS/http.sock" \
+  --grpc-address="unix:$SOCKETS/grpc.sock" --grpc-port=8001 \
+  --metrics-address="unix:$SOCKETS/metrics.sock" \
   --http-restricted-api="${RESTRICTED}" \
   --grpc-restricted-protocol="${RESTRICTED}" \
-  "$@"
+  "$@" &
+TRITON=$!
+"${PYTHON:-python3}" -m frontdoor \
+  --host "${BATCHSTRING_HOST:-0.0.0.0}" \
+  --http-port "${BATCHSTRING_HTTP_PORT:-8000}" \
+  --grpc-port "${BATCHSTRING_GRPC_PORT:-8001}" \
+  --metrics-port "${BATCHSTRING_METRICS_PORT:-8002}" \
+  --triton-http "$SOCKETS/http.sock" \
+  --triton-grpc "unix:$SOCKETS/grpc.sock:8001" \
+  --triton-metrics "$SOCKETS/metrics.sock" \
+  --triton-pid "$TRITON" \
+  --exit-when-unready "${BATCHSTRING_EXIT_WHEN_UNREADY:-60}" &
+FRONT=$!
+
+shutdown() {  # Triton drains first; its last responses still go out through the front door
+  kill -TERM "$TRITON" 2>/dev/null || true
+  wait "$TRITON" || true
+  kill -TERM "$FRONT" 2>/dev/null || true
+  wait "$FRONT" || true
+  exit 0
+}
+trap shutdown TERM INT
+
+status=0
+wait -n "$TRITON" "$FRONT" || status=$?
+# Either one ending on its own leaves nothing to drain: requests travel through both. Stop the other now.
+kill -KILL "$TRITON" "$FRONT" 2>/dev/null || true
+wait || true
+exit $(( status == 0 ? 1 : status ))  # a failure either way: let the container restart

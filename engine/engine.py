@@ -3,6 +3,12 @@
 Requests come in from any thread through `submit`; everything else happens on the engine's own
 thread (or in the caller's, for in-process use through `generate`). A step that raises is split
 in halves and retried, so only a request that fails on its own gets an error.
+
+The engine also knows when it is broken rather than unlucky: an error in its own loop, a step
+that does not return (`stall_seconds`), or a device that fails every step (a step in which every
+request failed, followed by a one-token probe step that fails too). Then every request it holds
+gets a retryable error, it accepts nothing more, and `on_broken` tells its host (model.py turns
+the model's readiness off, so that it is restarted).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from engine.batch import StepBatch, Work, build_step
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.errors import InvalidRequest, is_out_of_memory
+from engine.faults import FaultInjector
 from engine.output import OutputSink, OutputStream, TokenLogprob
 from engine.policy import policy_for
 from engine.runner import PagedCacheRunner, RuntimeSpec, StepOutput, build_runner
@@ -31,6 +38,7 @@ from engine.stats import EngineStats
 from engine.tokenizer import TextCodec
 
 _STOP = object()
+WATCHDOG_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -44,8 +52,11 @@ CANCEL_CHECK_SECONDS = 0.1
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, runner: PagedCacheRunner | None = None) -> None:
+    def __init__(self, config: EngineConfig, runner: PagedCacheRunner | None = None,
+                 on_broken: Callable[[str], None] | None = None) -> None:
         self.config = config
+        self.on_broken = on_broken
+        self.broken: str | None = None  # why the engine stopped serving, once it has
         model_dir = Path(config.model_dir)
         self.spec = RuntimeSpec.load(model_dir / "runtime.json")
         self.codec = TextCodec.from_file(model_dir / "tokenizer.json", self.spec.vocab_size)
@@ -66,6 +77,8 @@ class Engine:
         self._checked_at = 0.0
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
+        self.faults = FaultInjector(config.fault_marker)
+        self._step_started: float | None = None  # set while a step runs: the watchdog reads it
 
     # ----- requests in -------------------------------------------------------------------------
 
@@ -115,9 +128,12 @@ class Engine:
         self.stats = EngineStats()
 
     def submit(self, *seqs: Sequence) -> None:
-        """Thread-safe; the sequences join at the next iteration."""
+        """Thread-safe; the sequences join at the next iteration (a broken engine refuses them)."""
         for seq in seqs:
-            self._inbox.put(seq)
+            if self.broken:
+                self._fail_retryable(seq)
+            else:
+                self._inbox.put(seq)
 
     def abandon(self, seq: Sequence, why: str) -> None:
         """Thread-safe: stop a request nobody will read (cancelled, its caller unreachable); its
@@ -141,6 +157,7 @@ class Engine:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="batchstring-engine", daemon=True)
         self._thread.start()
+        threading.Thread(target=self._watchdog, name="batchstring-watchdog", daemon=True).start()
 
     def stop(self) -> None:
         """Aborts what is left (each request gets its final response) and joins the thread."""
@@ -153,21 +170,65 @@ class Engine:
             self._thread = None
 
     def _loop(self) -> None:
-        while True:
-            busy = self.scheduler.has_work()
-            try:
-                item = self._inbox.get(block=not busy, timeout=None)
-            except queue.Empty:
-                item = None
-            if item is _STOP or not self._take(item):
-                break
-            self.step()
+        try:
+            while not self.broken:
+                busy = self.scheduler.has_work()
+                try:
+                    item = self._inbox.get(block=not busy, timeout=None)
+                except queue.Empty:
+                    item = None
+                if item is _STOP or not self._take(item):
+                    break
+                self.step()
+        except Exception as exc:  # a bug outside step isolation: nothing the engine holds is safe
+            self._break(f"the engine loop failed ({type(exc).__name__}: {exc})")
+        if self.broken:
+            return
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             if seq.held:
                 self._release(seq)
             else:
                 self._finish(seq, "abort", error="the model is shutting down; retry on another instance",
                              retryable=True)
+
+    def _break(self, why: str) -> None:
+        """Stops serving for good: every request held gets a retryable error; the host is told."""
+        if self.broken:
+            return
+        self.broken = why
+        held = [*self.scheduler.running, *self.scheduler.waiting]
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, Sequence):
+                held.append(item)
+        for seq in held:
+            if seq.held:
+                self._release(seq)  # answered in all but delivery
+            elif not seq.finished:
+                self._fail_retryable(seq)
+        with self._room:
+            self._stopping = True
+            self._room.notify_all()
+        if self.on_broken:
+            self.on_broken(why)
+
+    def _fail_retryable(self, seq: Sequence) -> None:
+        seq.output.deliver(seq.output.final(seq.output_ids, "abort", f"the model's engine failed ({self.broken}); "
+                                            "it is being restarted: retry", retryable=True))
+
+    def _watchdog(self) -> None:
+        """From its own thread: a step that does not return breaks the engine (the engine thread
+        cannot notice, it is the one stuck)."""
+        while self._thread is not None and not self.broken:
+            time.sleep(WATCHDOG_SECONDS)
+            started = self._step_started
+            if started is not None and time.monotonic() - started > self.config.stall_seconds:
+                self.broken = f"a step has not returned for {self.config.stall_seconds:g} s"
+                if self.on_broken:
+                    self.on_broken(self.broken)
 
     def _take(self, first: object) -> bool:
         """Moves everything queued into the scheduler; False when asked to stop."""
@@ -195,7 +256,14 @@ class Engine:
             self._update_gauges()
             return False
         self.stats.record_step(len(scheduled.work), scheduled.prefill)
+        if self.faults.marker:
+            self.faults.in_loop([w.seq.output.prompt for w in scheduled.work])
+        self._step_started = time.monotonic()
         done, failed = self._run(scheduled.work)
+        self._step_started = None
+        if failed and not done and not self._probe():
+            self._break(f"every request of a step failed and so did a one-token probe step ({failed[0][1]})")
+            return True
         for work, batch, out in done:
             self._after(work, batch, out, scheduled.prefill)
         for seq, exc in failed:
@@ -224,7 +292,8 @@ class Engine:
         failed and both halves then succeeded.
         """
         try:
-            self._inject_fault(work)
+            if self.faults.marker:
+                self.faults.before_step([w.seq.output.prompt for w in work])
             batch = build_step(work, self.blocks, self.rng)
             began = time.perf_counter()
             out = self.runner.step(batch)
@@ -241,12 +310,22 @@ class Engine:
                 self.scheduler.lower_admit_cap(len(work))
             return left[0] + right[0], left[1] + right[1]
 
-    def _inject_fault(self, work: list[Work]) -> None:
-        if self.config.fault_mode == "fail_steps":
-            raise RuntimeError("step failed (injected: fault_mode fail_steps)")
-        marker = self.config.fault_marker
-        if marker and any(marker in w.seq.output.prompt for w in work):
-            raise MemoryError(f"out of memory (injected: a prompt in this step contains {marker!r})")
+    def _probe(self) -> bool:
+        """Whether the device still runs a step: one token of a throw-away sequence (a step in
+        which every request failed may just be a step of requests that fail on their own)."""
+        probe = Sequence("probe", [self.spec.eos_token_ids[0] if self.spec.eos_token_ids else 0],
+                         SamplingParams(max_tokens=1, temperature=0.0))
+        if not self.blocks.can_grow(probe, 1):
+            return True  # no room to ask; not evidence of a broken device
+        self.blocks.grow(probe, 1)
+        try:
+            self.faults.before_step([])
+            self.runner.step(build_step([Work(probe, 1)], self.blocks, self.rng))
+            return True
+        except Exception:
+            return False
+        finally:
+            self.blocks.release(probe)
 
     # ----- after the step ----------------------------------------------------------------------
 

@@ -57,7 +57,7 @@ class SeedBatcher:
                     break
                 try:
                     batch.append(await asyncio.wait_for(self.queue.get(), remaining))
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     break
             texts = await asyncio.to_thread(self._run_to_completion, batch)
             for pending, text in zip(batch, texts):

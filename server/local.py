@@ -1,4 +1,5 @@
-"""Starts, probes and stops one local tritonserver process on this repository."""
+"""Starts, probes and stops one local server: tritonserver on loopback-only internal ports, and the
+front door (frontdoor/) that owns the public ports and bounds every request before Triton sees it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -19,7 +21,7 @@ import psutil
 
 from export.layout import MODEL_VERSION_DIR, missing_artifacts
 from server.repository import MODEL, ConfigEdit, write_overlay
-from server.triton import DEFAULT_REPOSITORY, EXIT_TIMEOUT_SECS, TLS, Ports, ServerCommand, TritonInstall
+from server.triton import DEFAULT_REPOSITORY, EXIT_TIMEOUT_SECS, TLS, Ports, ServerCommand, Sockets, TritonInstall
 
 STUB_NAME = "triton_python_backend_stub"
 
@@ -42,7 +44,8 @@ def free_ports(count: int = 3) -> list[int]:
 
 @dataclass
 class LocalServer:
-    """A tritonserver child process. `config` is "cpu" or "gpu"; `params`/`edit` make an overlay."""
+    """tritonserver and its front door as child processes. `config` is "cpu" or "gpu";
+    `params`/`edit` make an overlay; `ports` and `host` are the front door's (public) ones."""
 
     config: str = "cpu"
     ports: Ports | None = None
@@ -53,14 +56,18 @@ class LocalServer:
     tls: TLS | None = None
     ready_timeout: float = 180.0
     log_path: Path | None = None
+    max_body_bytes: int | None = None  # front door limits (None: its defaults)
+    max_message_bytes: int | None = None
     process: subprocess.Popen | None = field(default=None, init=False)
+    front: subprocess.Popen | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if self.config not in ("cpu", "gpu"):
             raise ValueError(f"config must be 'cpu' or 'gpu'; got {self.config!r}")
         self.ports = self.ports or Ports(*free_ports())
         self._workdir = Path(tempfile.mkdtemp(prefix="batchstring-server-"))
-        self.log_path = self.log_path or self._workdir / "tritonserver.log"
+        self.sockets = Sockets(self._workdir / "triton")  # tritonserver's own endpoints, private
+        self.log_path = self.log_path or self._workdir / "server.log"
 
     # ----- addresses ---------------------------------------------------------------------------
 
@@ -76,6 +83,7 @@ class LocalServer:
     def metrics_url(self) -> str:
         return f"http://{self.host}:{self.ports.metrics}/metrics"
 
+
     # ----- lifecycle ---------------------------------------------------------------------------
 
     def command(self, install: TritonInstall) -> ServerCommand:
@@ -87,7 +95,19 @@ class LocalServer:
                 write_overlay(overlay, self.repository, config_name, self.params, self.edit)
             repository, config_name = overlay, None
         return ServerCommand(repository=repository, backend_dir=install.make_backend_dir(self._workdir),
-                             ports=self.ports, host=self.host, config_name=config_name, tls=self.tls)
+                             sockets=self.sockets, config_name=config_name)
+
+    def front_door_command(self) -> list[str]:
+        argv = [sys.executable, "-m", "frontdoor", "--host", self.host, "--http-port", str(self.ports.http),
+                "--grpc-port", str(self.ports.grpc), "--metrics-port", str(self.ports.metrics),
+                "--triton-http", str(self.sockets.http), "--triton-grpc", self.sockets.grpc_target,
+                "--triton-metrics", str(self.sockets.metrics), "--triton-pid", str(self.process.pid)]
+        if self.tls:
+            argv += ["--tls-cert", str(self.tls.cert), "--tls-key", str(self.tls.key)]
+        for flag, value in (("--max-body-bytes", self.max_body_bytes), ("--max-message-bytes", self.max_message_bytes)):
+            if value is not None:
+                argv += [flag, str(value)]
+        return argv
 
     def start(self) -> LocalServer:
         missing = missing_artifacts(self.repository / MODEL / MODEL_VERSION_DIR.name)
@@ -95,11 +115,10 @@ class LocalServer:
             raise ServerError(f"model files missing from the repository ({', '.join(missing)}); "
                               "run `batchstring export` first")
         install = TritonInstall.find()
-        argv = self.command(install).argv(install.binary)
-        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
-        self.process = subprocess.Popen(argv, env=install.environment(), stdout=log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True)
-        log.close()
+        self.sockets.prepare()
+        self.process = self._spawn(self.command(install).argv(install.binary), install.environment())
+        _terminate(self.front, 5)  # the front door watches this tritonserver's process: a new one for it
+        self.start_front_door()
         try:
             self.wait_ready()
         except ServerError:
@@ -107,28 +126,37 @@ class LocalServer:
             raise
         return self
 
+    def start_front_door(self) -> None:
+        self.front = self._spawn(self.front_door_command(), dict(os.environ))
+
+    def _spawn(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+        with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
+            return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+
     def wait_ready(self) -> None:
         deadline = time.monotonic() + self.ready_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise ServerError(f"tritonserver exited with code {self.process.returncode}:\n{self.log_tail()}")
+            if self.front.poll() is not None:
+                raise ServerError(f"the front door exited with code {self.front.returncode}:\n{self.log_tail()}")
             if self.model_ready():
                 return
             time.sleep(0.2)
         raise ServerError(f"model not ready after {self.ready_timeout:.0f} s:\n{self.log_tail()}")
 
     def stop(self, grace: float = EXIT_TIMEOUT_SECS + 5) -> None:
-        """SIGTERM (Triton drains in-flight requests), then SIGKILL the process group after `grace` s."""
+        """SIGTERM (Triton drains in-flight requests, their responses still flow through the front
+        door), then SIGKILL each process group after `grace` s; the front door goes last."""
         proc, self.process = self.process, None
-        if proc is None:
-            return
-        if proc.poll() is None and grace > 0:
-            proc.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=grace)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # stubs share the group; none may outlive the server
-        proc.wait()
+        _terminate(proc, grace)
+        front, self.front = self.front, None
+        _terminate(front, min(grace, 5))
+
+    def restart_front_door(self) -> None:
+        _terminate(self.front, 5)
+        self.start_front_door()
 
     def restart(self, grace: float = EXIT_TIMEOUT_SECS + 5) -> None:
         self.stop(grace)
@@ -169,6 +197,18 @@ class LocalServer:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
+
+
+def _terminate(proc: subprocess.Popen | None, grace: float) -> None:
+    if proc is None:
+        return
+    if proc.poll() is None and grace > 0:
+        proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # stubs share the group; none may outlive the server
+    proc.wait()
 
 
 def _is_stub(proc: psutil.Process) -> bool:

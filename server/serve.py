@@ -1,4 +1,5 @@
-"""`batchstring serve`: a real tritonserver on this repository, supervised until Ctrl-C/SIGTERM."""
+"""`batchstring serve`: a real tritonserver on this repository behind its bounded front door,
+supervised until Ctrl-C/SIGTERM."""
 
 from __future__ import annotations
 
@@ -17,17 +18,19 @@ from server.triton import DEFAULT_REPOSITORY, TLS, Ports, TritonNotFound
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", choices=("cpu", "gpu"), default="cpu",
                    help="cpu: configs/cpu.pbtxt (KIND_CPU); gpu: config.pbtxt (KIND_GPU)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--host", default="127.0.0.1", help="address the front door binds (default: loopback only)")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
     p.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY, help="model repository")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                    help="override an engine parameter of config.pbtxt (repeatable)")
+    p.add_argument("--max-body-bytes", type=int, help="largest HTTP request body (default 1 MiB)")
+    p.add_argument("--max-message-bytes", type=int, help="largest gRPC message (default 1 MiB)")
     p.add_argument("--tls-cert", type=Path, help="PEM certificate: serve gRPC over TLS")
     p.add_argument("--tls-key", type=Path, help="PEM private key for --tls-cert")
     p.add_argument("--no-supervise", action="store_true", help="do not restart a dead model")
-    p.add_argument("--log", type=Path, help="tritonserver log file (default: a temporary file)")
+    p.add_argument("--log", type=Path, help="log file of tritonserver and the front door (default: a temporary file)")
 
 
 def parse_params(items: list[str]) -> dict[str, str]:
@@ -46,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     tls = TLS(args.tls_cert, args.tls_key) if args.tls_cert else None
     server = LocalServer(config=args.config, host=args.host, repository=args.repository, tls=tls,
                          ports=Ports(args.http_port, args.grpc_port, args.metrics_port),
-                         params=parse_params(args.param), log_path=args.log)
+                         params=parse_params(args.param), log_path=args.log,
+                         max_body_bytes=args.max_body_bytes, max_message_bytes=args.max_message_bytes)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

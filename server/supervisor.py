@@ -1,9 +1,11 @@
-"""Keeps a local tritonserver serving: restarts it when the model is dead.
+"""Keeps a local server serving: restarts tritonserver when the model is dead, the front door
+when it is gone.
 
 Triton 2.51 does not restart a crashed Python stub, and `/v2/health/ready` stays 200 while the
-model is gone. So the supervisor watches what matters: the server process, the stub process,
-and `/v2/models/llm/ready`. A vanished process means restart now; a model that stays unready
-for a few probes in a row (not one slow probe) means restart too.
+model is gone. So the supervisor watches what matters: the server process, the stub process, the
+front door process, and `/v2/models/llm/ready` through the front door. A vanished process means
+restart now; a model that stays unready for a few probes in a row (not one slow probe) means
+restart too. The engine turns readiness off itself when it breaks (its stub exits).
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ class Supervisor:
         proc = self.server.process
         if proc is None or proc.poll() is not None:
             return f"tritonserver exited (code {None if proc is None else proc.returncode})", True
+        front = self.server.front
+        if front is None or front.poll() is not None:
+            return f"the front door exited (code {None if front is None else front.returncode})", True
         if not self.server.stub_processes():
             return "the model's Python stub process is gone", True
         if not self.server.model_ready():
@@ -50,12 +55,17 @@ class Supervisor:
 
     def _restart(self, reason: str, stop: threading.Event) -> None:
         started = time.monotonic()
-        self.report(f"batchstring: {reason}; restarting tritonserver")
+        front_only = reason.startswith("the front door") and self.server.process.poll() is None
+        self.report(f"batchstring: {reason}; restarting {'the front door' if front_only else 'tritonserver'}")
         while not stop.is_set():
             try:
-                # No grace: requests in flight on a dead model would never finish, so draining them
-                # only delays recovery. Their clients see the stream break and retry.
-                self.server.restart(grace=0)
+                if front_only:  # Triton and the requests it is running are fine: clients reconnect and retry
+                    self.server.restart_front_door()
+                    self.server.wait_ready()
+                else:
+                    # No grace: requests in flight on a dead model would never finish, so draining
+                    # them only delays recovery. Their clients see the stream break and retry.
+                    self.server.restart(grace=0)
             except ServerError as exc:
                 self.report(f"batchstring: restart failed, retrying in 5 s: {exc}")
                 stop.wait(5)

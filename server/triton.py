@@ -94,17 +94,47 @@ class TLS:
 
 
 @dataclass(frozen=True)
+class Sockets:
+    """tritonserver's endpoints: Unix sockets in a directory only the server's user can open.
+
+    Nothing else on the machine can reach Triton (its admin APIs included): the front door is the
+    only way in. Triton appends its port to a Unix address, hence the gRPC socket's odd name.
+    """
+
+    directory: Path
+
+    @property
+    def http(self) -> Path:
+        return self.directory / "http.sock"
+
+    @property
+    def metrics(self) -> Path:
+        return self.directory / "metrics.sock"
+
+    @property
+    def grpc_target(self) -> str:
+        return f"unix:{self.directory}/grpc.sock:{Ports.grpc}"
+
+    def prepare(self) -> None:
+        """A private directory without the sockets a killed server may have left behind."""
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.directory.chmod(0o700)
+        for stale in self.directory.glob("*.sock*"):
+            stale.unlink()
+
+
+@dataclass(frozen=True)
 class ServerCommand:
-    """The tritonserver flags; the Docker image runs the same ones (docker/Dockerfile)."""
+    """The tritonserver flags; the Docker image runs the same ones (docker/entrypoint.sh)."""
 
     repository: Path
     backend_dir: Path
-    ports: Ports = Ports()
-    host: str = "127.0.0.1"
+    sockets: Sockets
     config_name: str | None = None  # None = config.pbtxt (GPU); "cpu" = configs/cpu.pbtxt
-    tls: TLS | None = None
     extra: tuple[str, ...] = ()
-    admin_secret: str = field(default_factory=lambda: secrets.token_hex(16))
+    # Admin APIs stay behind a header key too (defence in depth): from the environment if set,
+    # else a random secret per server that nobody holds.
+    admin_secret: str = field(default_factory=lambda: os.environ.get("BATCHSTRING_ADMIN_KEY") or secrets.token_hex(16))
 
     def argv(self, binary: Path) -> list[str]:
         args = [
@@ -114,18 +144,14 @@ class ServerCommand:
             "--model-control-mode=none",
             "--strict-readiness=true",
             f"--exit-timeout-secs={EXIT_TIMEOUT_SECS}",
-            f"--http-address={self.host}",
-            f"--http-port={self.ports.http}",
-            f"--grpc-address={self.host}",
-            f"--grpc-port={self.ports.grpc}",
-            f"--metrics-address={self.host}",
-            f"--metrics-port={self.ports.metrics}",
+            f"--http-address=unix:{self.sockets.http}",
+            f"--grpc-address=unix:{self.sockets.directory}/grpc.sock",
+            f"--grpc-port={Ports.grpc}",
+            f"--metrics-address=unix:{self.sockets.metrics}",
             f"--allow-gpu-metrics={'false' if self.config_name == 'cpu' else 'true'}",
             f"--http-restricted-api={RESTRICTED}:admin-key={self.admin_secret}",
             f"--grpc-restricted-protocol={RESTRICTED}:admin-key={self.admin_secret}",
         ]
         if self.config_name:
             args.append(f"--model-config-name={self.config_name}")
-        if self.tls:
-            args += ["--grpc-use-ssl=true", f"--grpc-server-cert={self.tls.cert}", f"--grpc-server-key={self.tls.key}"]
         return args + list(self.extra)

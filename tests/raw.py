@@ -51,7 +51,7 @@ EXCLUDE_INPUT = Tensor("exclude_input_in_output", "BOOL", True)
 async def send_all(url: str, requests: list[service_pb2.ModelInferRequest]) -> list[list[Piece]]:
     """All requests concurrently on one shared stream; the responses of each, in request order."""
     conn = Connection(url)
-    stream = conn.shared_stream()
+    stream = conn.open_stream()
 
     async def one(req):
         return [p async for p in stream.request(req)]

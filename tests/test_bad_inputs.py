@@ -57,6 +57,15 @@ CASES = [
      ["batch size does not match"]),
     ("missing text_input", [params('{"max_tokens": 2}')], ["text_input"]),
     ("unknown input tensor", [text("x"), Tensor("prompt", "BYTES", b"x")], ["prompt"]),
+    ("5000-digit integer", [text("x"), params('{"max_tokens": ' + "9" * 5000 + "}")],
+     ["INVALID_ARG", "too long to read", "4300 digits"]),
+    ("JSON nested 4000 deep", [text("x"), params("[" * 4000 + "]" * 4000)], ["INVALID_ARG", "nested too deeply"]),
+    ("temperature 1e-40", [text("x"), params('{"temperature": 1e-40}')],
+     ["INVALID_ARG", "0 (greedy) or in [0.01, 100]"]),
+    ("10 kB sampling_parameters", [text("x"), params(json.dumps({"stop": ["s" * 100] * 100}))],
+     ["INVALID_ARG", "at most 8192 bytes"]),
+    ("logprobs beyond 20", [text("x"), params('{"logprobs": 50}')], ["logprobs", "[0, 20]"]),
+    ("logprobs asked for", [text("def "), params('{"logprobs": 3, "max_tokens": 4}')], OK),
 ]
 
 

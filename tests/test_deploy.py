@@ -12,8 +12,11 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 from google.protobuf import text_format
@@ -70,6 +73,22 @@ def test_kubernetes_probes_and_grace_period_match_the_server():
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
 
 
+def test_kubernetes_pods_are_locked_down_and_can_be_drained():
+    docs = {d["kind"]: d for p in (DOCKER / "k8s").glob("*.yaml") for d in yaml.safe_load_all(p.read_text()) if d}
+    pod = docs["Deployment"]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    assert {"/tmp", "/dev/shm"} <= mounts, "writable emptyDirs where the server writes"
+    policy = docs["NetworkPolicy"]["spec"]
+    assert sorted(p["port"] for rule in policy["ingress"] for p in rule["ports"]) == [8000, 8001, 8002]
+    assert policy["egress"] == []
+    pdb, hpa = docs["PodDisruptionBudget"]["spec"], docs["HorizontalPodAutoscaler"]["spec"]
+    drainable = pdb.get("maxUnavailable", 0) >= 1 or hpa["minReplicas"] > pdb.get("minAvailable", 0)
+    assert drainable and hpa["minReplicas"] >= 2, "a node drain must be able to evict a pod while one keeps serving"
+
+
 def test_gpu_config_is_the_cpu_config_but_for_the_instance_kind():
     gpu, cpu = load_config(), load_config(config_name="cpu")
     assert [g.kind for g in gpu.instance_group] == [gpu.instance_group[0].KIND_GPU]
@@ -84,25 +103,59 @@ def test_gpu_config_is_refused_here_because_there_is_no_gpu(model_dir):
     assert "has kind KIND_GPU but no GPUs are available" in str(info.value)
 
 
-def test_image_command_line_serves_the_model_with_the_local_binary(model_dir, tmp_path):
+def image_command_line(model_dir: Path, tmp_path: Path, **env_overrides) -> tuple[subprocess.Popen, int, int]:
+    """docker/entrypoint.sh as the image runs it, with the local binary; returns (process, http, grpc)."""
     install = TritonInstall.find()
     http, grpc, metrics_port = free_ports()
     env = install.environment()
-    env.update(TRITONSERVER=str(install.binary), MODEL_REPOSITORY=str(model_dir.parent.parent))
-    extra = [f"--backend-directory={install.make_backend_dir(tmp_path)}", "--model-config-name=cpu",
-             f"--http-port={http}", f"--grpc-port={grpc}", f"--metrics-port={metrics_port}"]
+    env.update(TRITONSERVER=str(install.binary), MODEL_REPOSITORY=str(model_dir.parent.parent), PYTHON=sys.executable,
+               BATCHSTRING_SOCKETS=str(tmp_path / "sockets"), BATCHSTRING_HOST="127.0.0.1",
+               BATCHSTRING_HTTP_PORT=str(http), BATCHSTRING_GRPC_PORT=str(grpc),
+               BATCHSTRING_METRICS_PORT=str(metrics_port), **env_overrides)
+    extra = [f"--backend-directory={install.make_backend_dir(tmp_path)}", "--model-config-name=cpu"]
     proc = subprocess.Popen([str(DOCKER / "entrypoint.sh"), *extra], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, http, grpc
+
+
+def wait_serving(client: BatchClient, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 120
+    while not client.ready():
+        assert proc.poll() is None and time.monotonic() < deadline, "the image's command line did not serve"
+        time.sleep(0.5)
+
+
+def test_image_command_line_serves_the_model_behind_the_front_door(model_dir, tmp_path):
+    proc, http, grpc = image_command_line(model_dir, tmp_path)
     try:
         with BatchClient(f"127.0.0.1:{grpc}") as client:
-            deadline = time.monotonic() + 120
-            while not client.ready():
-                assert proc.poll() is None and time.monotonic() < deadline, "the image's command line did not serve"
-                time.sleep(0.5)
+            wait_serving(client, proc)
             assert client.batchstring(["def image():"], max_tokens=4)[0]
+        body = json.dumps({"text_input": "def image():", "max_tokens": 4, "temperature": 0}).encode()
+        with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/models/llm/generate", data=body, timeout=30) as r:
+            assert json.loads(r.read())["text_output"]
+        with pytest.raises(urllib.error.HTTPError) as too_big:
+            urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/models/llm/generate", data=b"x" * (4 << 20), timeout=30)
+        assert too_big.value.code == 413
+        sockets = tmp_path / "sockets"
+        assert sockets.stat().st_mode & 0o777 == 0o700, "tritonserver's sockets are private to its user"
+        assert {p.name for p in sockets.iterdir()} == {"http.sock", "grpc.sock:8001", "metrics.sock"}
     finally:
         proc.terminate()
-        proc.wait(timeout=60)
+        assert proc.wait(timeout=60) == 0, "SIGTERM is a clean stop"
+
+
+def test_the_image_exits_when_a_process_dies_so_that_restart_policies_act(model_dir, tmp_path):
+    proc, _, grpc = image_command_line(model_dir, tmp_path)
+    try:
+        with BatchClient(f"127.0.0.1:{grpc}") as client:
+            wait_serving(client, proc)
+        triton = next(p for p in psutil.Process(proc.pid).children() if "tritonserver" in p.name())
+        triton.kill()  # a crash of the server takes the container down with a failure status
+        assert proc.wait(timeout=60) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_grafana_dashboard_only_uses_metrics_the_server_exports(server, client):
@@ -154,3 +207,21 @@ def test_every_file_the_dockerfile_copies_from_the_repository_exists():
     assert len(copies) >= 7
     missing = [c for c in copies if not (root / c).exists()]
     assert missing == [], f"the Dockerfile copies files that are not in the repository: {missing}"
+
+
+def test_the_image_exits_when_its_model_process_dies_so_that_restart_policies_act(model_dir, tmp_path):
+    proc, http, grpc = image_command_line(model_dir, tmp_path, BATCHSTRING_EXIT_WHEN_UNREADY="2")
+    try:
+        with BatchClient(f"127.0.0.1:{grpc}") as client:
+            wait_serving(client, proc)
+        stub = next(p for p in psutil.Process(proc.pid).children(recursive=True)
+                    if "triton_python_backend_stub" in " ".join(p.cmdline()))
+        stub.kill()  # Triton itself keeps saying the model is ready; the front door knows better
+        with pytest.raises(urllib.error.HTTPError) as unready:
+            time.sleep(0.5)
+            urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/models/llm/ready", timeout=5)
+        assert unready.value.code == 503
+        assert proc.wait(timeout=30) != 0, "the container exits, so that Docker's restart policy acts"
+    finally:
+        if proc.poll() is None:
+            proc.kill()

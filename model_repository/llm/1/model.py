@@ -29,7 +29,7 @@ for _entry in filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)):
 
 import triton_python_backend_utils as pb_utils  # noqa: E402
 from metrics import MetricsPublisher  # noqa: E402
-from responder import Responder  # noqa: E402
+from responder import Responder, error  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
@@ -37,10 +37,6 @@ from engine.errors import InvalidRequest  # noqa: E402
 from engine.sampling import parse_sampling_parameters  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-
-
-def _error(message: str, code: str) -> pb_utils.TritonError:
-    return pb_utils.TritonError(message, getattr(pb_utils.TritonError, code))
 
 
 class TritonPythonModel:
@@ -55,9 +51,9 @@ class TritonPythonModel:
             model_dir=Path(args["model_repository"]) / args["model_version"],
             device=f"cuda:{args['model_instance_device_id']}" if gpu else "cpu",
         )
-        self.engine = Engine(engine_config)
+        self.engine = Engine(engine_config, on_broken=self._broken)
         self.engine.warm_up()
-        self.responder = Responder(pb_utils, self.engine.abandon, lambda: engine_config.fault_mode == "raise_in_send")
+        self.responder = Responder(pb_utils, self.engine.abandon)
         self.responder.start()
         self.engine.start()
         self.groups = itertools.count()
@@ -83,6 +79,7 @@ class TritonPythonModel:
             except Exception as exc:  # a bug must fail this request alone, never its batch-mates
                 _refuse(sender, f"internal error while reading the request: {type(exc).__name__}: {exc}", "INTERNAL")
             else:
+                ticket.send_fault = self.engine.faults.kind(ticket.seq.output.prompt) == "send"
                 self.responder.track(ticket)
                 accepted.append(ticket.seq)
         # Submitted together, after parsing: the whole Triton batch joins the same engine
@@ -107,11 +104,13 @@ class TritonPythonModel:
         except UnicodeDecodeError:
             raise InvalidRequest("sampling_parameters is not valid UTF-8; send a UTF-8 JSON object") from None
         cfg = self.engine.config
+        request_parameters = json.loads(request.parameters() or "{}")
         params = parse_sampling_parameters(params_text, self.engine.spec.context_length, cfg.default_max_tokens,
-                                           json.loads(request.parameters() or "{}"))
+                                           request_parameters)
         stream = bool(_scalar(request, "stream") or False)
         include_input = not bool(_scalar(request, "exclude_input_in_output") or False)
-        timeout_us = request.timeout() if hasattr(request, "timeout") else 0
+        # Microseconds the caller will wait (our client sends them): the engine drops the work after.
+        deadline_us = request_parameters.get("deadline_us")
         return self.engine.make_sequence(
             prompt,
             params,
@@ -120,8 +119,17 @@ class TritonPythonModel:
             stream=stream,
             include_input=include_input,
             group=group,
-            deadline=time.monotonic() + timeout_us / 1e6 if timeout_us else None,
+            deadline=time.monotonic() + deadline_us / 1e6 if isinstance(deadline_us, int) and deadline_us > 0 else None,
         )
+
+    def _broken(self, why: str) -> None:
+        """The engine cannot serve any more: answer every request with a retryable error, then end
+        this model process. Triton then reports the model unready, and whatever supervises the
+        server (`batchstring serve`, the image's entrypoint, a Kubernetes probe) restarts it."""
+        pb_utils.Logger.log_error(f"batchstring engine broken: {why}; failing in-flight requests and exiting")
+        self.responder.fail_all(f"the model's engine failed ({why}); it is being restarted: retry")
+        self.responder.stop(timeout=5.0)
+        os._exit(1)
 
     def finalize(self) -> None:
         self.engine.stop()
@@ -146,6 +154,6 @@ def _scalar(request, name: str):
 def _refuse(sender, message: str, code: str) -> None:
     """An error response for one request; if even that fails, its batch-mates still go ahead."""
     try:
-        sender.send(pb_utils.InferenceResponse(error=_error(message, code)), flags=FINAL)
+        sender.send(pb_utils.InferenceResponse(error=error(pb_utils, message, code)), flags=FINAL)
     except Exception as exc:
         pb_utils.Logger.log_warn(f"could not send an error response ({exc}): {message}")

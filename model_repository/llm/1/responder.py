@@ -10,6 +10,7 @@ crashed tritonserver under load.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import threading
@@ -32,6 +33,7 @@ class Ticket:
         self.sender = sender
         self.seq = None  # set once the engine has made the sequence
         self.next_poll = time.monotonic() + CANCEL_POLL_SECONDS
+        self.send_fault = False  # fault injection: its first send raises
         self._outbox = outbox
 
     def __call__(self, out: RequestOutput) -> None:
@@ -39,10 +41,9 @@ class Ticket:
 
 
 class Responder:
-    def __init__(self, pb_utils, abandon: Callable[[object, str], None], fail_sends: Callable[[], bool]) -> None:
+    def __init__(self, pb_utils, abandon: Callable[[object, str], None]) -> None:
         self.pb = pb_utils
         self.abandon = abandon  # engine.abandon(seq, why), thread-safe
-        self.fail_sends = fail_sends  # fault injection: make every send raise (tests only)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._live: set[Ticket] = set()  # requests that may still be cancelled
         self._thread = threading.Thread(target=self._run, name="batchstring-responder", daemon=True)
@@ -52,9 +53,14 @@ class Responder:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float | None = None) -> None:
+        """Sends what is queued, then stops."""
         self._queue.put(_STOP)
-        self._thread.join()
+        self._thread.join(timeout)
+
+    def fail_all(self, message: str) -> None:
+        """A retryable error for every request not answered yet (the engine cannot answer them)."""
+        self._queue.put((None, RequestOutput("", "", True, "abort", error=message, retryable=True)))
 
     def ticket(self, sender) -> Ticket:
         return Ticket(sender, self._queue)
@@ -79,23 +85,36 @@ class Responder:
                     item = None
             self._poll_cancellations()
 
-    def _handle(self, ticket: Ticket, out: RequestOutput | None) -> None:
+    def _handle(self, ticket: Ticket | None, out: RequestOutput | None) -> None:
+        if ticket is None:  # fail_all
+            for live in list(self._live):
+                self._handle(live, out)
+            return
         if out is None:
             self._live.add(ticket)
             return
+        if ticket not in self._live:
+            return  # already answered (or given up on): nothing more goes to this request
         if out.finished:
             self._live.discard(ticket)
         try:
-            if self.fail_sends():
-                raise RuntimeError("send failed (injected fault)")
-            final = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if out.finished else 0
-            ticket.sender.send(self._response(out), flags=final)
-            self.sent += 1
+            self._send(ticket, out)
         except Exception as exc:  # the client is gone or the frontend refused: stop its work, carry on
             self.failed_sends += 1
+            self._live.discard(ticket)
             if not out.finished:
-                self._live.discard(ticket)
                 self.abandon(ticket.seq, f"the response could not be sent ({exc})")
+            message = f"a response to this request could not be sent ({exc}); its generation was stopped"
+            with contextlib.suppress(Exception):  # tell the caller, if the channel still works
+                self._send(ticket, RequestOutput("", "", True, "error", error=message))
+
+    def _send(self, ticket: Ticket, out: RequestOutput) -> None:
+        if ticket.send_fault:
+            ticket.send_fault = False
+            raise RuntimeError("send failed (injected fault)")
+        final = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if out.finished else 0
+        ticket.sender.send(self._response(out), flags=final)
+        self.sent += 1
 
     def _poll_cancellations(self) -> None:
         now = time.monotonic()
@@ -113,9 +132,8 @@ class Responder:
     def _response(self, out: RequestOutput):
         pb = self.pb
         if out.error:
-            retry = out.retryable or out.finish_reason == "abort"
-            code = pb.TritonError.UNAVAILABLE if retry else pb.TritonError.INTERNAL
-            return pb.InferenceResponse(error=pb.TritonError(out.error, code))
+            code = "UNAVAILABLE" if out.retryable or out.finish_reason == "abort" else "INTERNAL"
+            return pb.InferenceResponse(error=error(pb, out.error, code))
         tensors = [_text(pb, "text_output", out.text)]
         if out.logprobs is not None:
             tensors.append(_text(pb, "logprobs", json.dumps(out.logprobs)))
@@ -126,6 +144,12 @@ class Responder:
                 pb.Tensor("num_output_tokens", np.array([[out.num_output_tokens]], dtype=np.uint32)),
             ]
         return pb.InferenceResponse(output_tensors=tensors)
+
+
+def error(pb, message: str, code: str):
+    """A Triton error whose message starts with its code: Triton's stream protocol carries only the
+    message, and clients decide what to retry by the code (client/errors.py)."""
+    return pb.TritonError(f"{code}: {message}", getattr(pb.TritonError, code))
 
 
 def _text(pb, name: str, value: str):

@@ -1,0 +1,3 @@
+from frontdoor.main import main
+
+main()

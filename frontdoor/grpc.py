@@ -1,0 +1,84 @@
+"""The gRPC side: the inference and health methods of Triton's service, forwarded as raw bytes.
+
+Messages are not parsed here: each one is handed to Triton's loopback gRPC server as it came, on
+a channel of the same kind (unary, or bidirectional stream for ModelStreamInfer). The gRPC
+library refuses a message larger than `max_message_bytes` with RESOURCE_EXHAUSTED before it is
+read, so no request can make the server allocate more than that. Cancellation and deadlines pass
+through: a client that cancels its stream cancels Triton's, which cancels its requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from frontdoor.limits import Limits
+
+SERVICE = "/inference.GRPCInferenceService/"
+UNARY = ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelConfig",
+         "ModelStatistics", "ModelInfer")
+STREAM = ("ModelStreamInfer",)
+
+
+class Passthrough(grpc.GenericRpcHandler):
+    def __init__(self, upstream: str, limits: Limits) -> None:
+        options = [("grpc.max_receive_message_length", 64 * 2**20),
+                   ("grpc.max_send_message_length", limits.max_message_bytes)]
+        self.channel = grpc.aio.insecure_channel(upstream, options=options)
+
+    def service(self, details: grpc.HandlerCallDetails):
+        name = details.method.removeprefix(SERVICE)
+        if name in UNARY:
+            return grpc.unary_unary_rpc_method_handler(self._unary(details.method))
+        if name in STREAM:
+            return grpc.stream_stream_rpc_method_handler(self._stream(details.method))
+        return None  # UNIMPLEMENTED: admin APIs (repository, shared memory, trace, logging) are not reachable
+
+    def _unary(self, method: str):
+        call = self.channel.unary_unary(method)
+
+        async def handle(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            try:
+                return await call(request, timeout=context.time_remaining())
+            except grpc.aio.AioRpcError as exc:
+                await context.abort(exc.code(), exc.details() or "")
+
+        return handle
+
+    def _stream(self, method: str):
+        call = self.channel.stream_stream(method)
+
+        async def handle(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+            upstream = call(requests, timeout=context.time_remaining())
+            try:
+                async for response in upstream:
+                    yield response
+            except grpc.aio.AioRpcError as exc:
+                await context.abort(exc.code(), exc.details() or "")
+            finally:
+                upstream.cancel()  # the client left (or the stream ended): Triton's side ends too
+
+        return handle
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+async def serve(host: str, port: int, upstream: str, limits: Limits,
+                credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.aio.Server, Passthrough]:
+    handler = Passthrough(upstream, limits)
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", limits.max_message_bytes),
+        ("grpc.max_send_message_length", 64 * 2**20),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ])
+    server.add_generic_rpc_handlers((handler,))
+    address = f"{host}:{port}"
+    if credentials:
+        server.add_secure_port(address, credentials)
+    else:
+        server.add_insecure_port(address)
+    await server.start()
+    return server, handler

@@ -1,0 +1,130 @@
+"""The HTTP side: Triton's generate, infer and health routes, forwarded with a bounded body.
+
+Bodies are read with a limit (aiohttp's `client_max_size` stops reading at it), so an oversized
+request costs the front door at most that much memory and never reaches Triton; it gets 413 with
+the limit in the message. Only the routes below are forwarded; anything else is 404 here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import aiohttp
+from aiohttp import web
+
+from frontdoor.health import stub_alive
+from frontdoor.limits import Limits
+
+MODEL = "llm"
+GET_ROUTES = ("/v2", "/v2/health/live", "/v2/health/ready", f"/v2/models/{MODEL}", f"/v2/models/{MODEL}/ready",
+              f"/v2/models/{MODEL}/config", f"/v2/models/{MODEL}/stats")
+POST_ROUTES = (f"/v2/models/{MODEL}/generate", f"/v2/models/{MODEL}/generate_stream", f"/v2/models/{MODEL}/infer")
+FORWARDED_HEADERS = ("Content-Type", "Accept", "Inference-Header-Content-Length", "Content-Encoding")
+RETURNED_HEADERS = ("Content-Type", "Inference-Header-Content-Length", "Cache-Control")
+
+
+def error(status: int, message: str) -> web.Response:
+    """Errors in Triton's own JSON shape, so clients of either read them the same way."""
+    return web.json_response({"error": message}, status=status)
+
+
+class Upstream:
+    """Triton's HTTP server, over a pool of kept-alive connections: `address` is a Unix socket path
+    (how `batchstring serve` and the image run it) or host:port. With `triton_pid`, readiness also
+    requires the model's stub process to be alive (frontdoor/health.py)."""
+
+    def __init__(self, address: str, triton_pid: int | None = None) -> None:
+        self.address = address
+        self.triton_pid = triton_pid
+        self.base_url = "http://triton" if address.startswith("/") else f"http://{address}"
+        self.session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        connector = aiohttp.UnixConnector(path=self.address) if self.address.startswith("/") else None
+        self.session = aiohttp.ClientSession(connector=connector,
+                                             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
+
+    def model_process_gone(self) -> bool:
+        return self.triton_pid is not None and not stub_alive(self.triton_pid)
+
+    async def ready(self) -> bool:
+        """The model's readiness (False when Triton cannot be reached or the model process is gone)."""
+        if self.model_process_gone():
+            return False
+        try:
+            async with self.session.get(f"{self.base_url}/v2/models/{MODEL}/ready",
+                                        timeout=aiohttp.ClientTimeout(total=2)) as response:
+                return response.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+    async def close(self) -> None:
+        if self.session:
+            await self.session.close()
+
+    async def forward(self, request: web.Request, body: bytes) -> web.StreamResponse:
+        headers = {name: request.headers[name] for name in FORWARDED_HEADERS if name in request.headers}
+        if request.path.endswith(("/generate", "/generate_stream")):
+            headers["Content-Type"] = "application/json"  # Triton parses it as JSON whatever `curl -d` says
+        try:
+            async with self.session.request(request.method, self.base_url + request.path_qs, data=body or None,
+                                            headers=headers) as upstream:
+                returned = {k: upstream.headers[k] for k in RETURNED_HEADERS if k in upstream.headers}
+                if not request.path.endswith("/generate_stream"):
+                    return web.Response(status=upstream.status, body=await upstream.read(), headers=returned)
+                response = web.StreamResponse(status=upstream.status, headers=returned)
+                await response.prepare(request)
+                async for chunk in upstream.content.iter_any():
+                    await response.write(chunk)
+                await response.write_eof()
+                return response
+        except aiohttp.ClientConnectionError as exc:
+            return error(503, f"the model server is not reachable ({type(exc).__name__}); it may be restarting: "
+                              "retry with backoff")
+
+
+def make_app(upstream: Upstream, limits: Limits) -> web.Application:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        body = await request.read() if request.method == "POST" else b""
+        return await upstream.forward(request, body)
+
+    async def readiness(request: web.Request) -> web.StreamResponse:
+        if upstream.model_process_gone():
+            return error(503, "the model process is gone (Triton still reports the model ready); "
+                              "the server is being restarted")
+        return await upstream.forward(request, b"")
+
+    app = web.Application(client_max_size=limits.max_body_bytes, middlewares=[_errors(limits)])
+    app.router.add_routes([web.get(path, readiness if path.endswith("ready") else handle) for path in GET_ROUTES])
+    app.router.add_routes([web.post(path, handle) for path in POST_ROUTES])
+    app.on_startup.append(lambda _: upstream.start())
+    app.on_cleanup.append(lambda _: upstream.close())
+    return app
+
+
+def make_metrics_app(upstream: Upstream) -> web.Application:
+    async def metrics(request: web.Request) -> web.StreamResponse:
+        return await upstream.forward(request, b"")
+
+    app = web.Application(client_max_size=1024, middlewares=[_errors(Limits(max_body_bytes=1024))])
+    app.router.add_get("/metrics", metrics)
+    app.on_startup.append(lambda _: upstream.start())
+    app.on_cleanup.append(lambda _: upstream.close())
+    return app
+
+
+def _errors(limits: Limits) -> Callable:
+    @web.middleware
+    async def middleware(request: web.Request, handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except web.HTTPRequestEntityTooLarge:
+            return error(413, limits.too_large("the request body", limits.max_body_bytes))
+        except web.HTTPNotFound:
+            return error(404, f"no route {request.path!r} here; the front door serves GET {', '.join(GET_ROUTES)} "
+                              f"and POST {', '.join(POST_ROUTES)}")
+        except web.HTTPMethodNotAllowed as exc:
+            allowed = ", ".join(exc.allowed_methods)
+            return error(405, f"{request.method} is not allowed on {request.path}; use {allowed}")
+
+    return middleware

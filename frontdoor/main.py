@@ -1,0 +1,100 @@
+"""`python -m frontdoor`: the front door process (HTTP, gRPC and metrics ports) for one tritonserver.
+
+It also watches the model: if `/v2/models/llm/ready` stays false (or Triton unreachable) for
+`--exit-when-unready` seconds, it exits with status 3, so that a container restart policy or a
+Kubernetes liveness probe acts (Docker restarts a container only when its process exits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from aiohttp import web
+
+from frontdoor import grpc as grpc_side
+from frontdoor.http import Upstream, make_app, make_metrics_app
+from frontdoor.limits import Limits
+
+UNREADY_EXIT = 3
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m frontdoor", description=__doc__.splitlines()[0])
+    p.add_argument("--host", default="127.0.0.1", help="address of the public ports (default: loopback only)")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--triton-http", required=True, help="tritonserver's HTTP endpoint: a Unix socket path or host:port")
+    p.add_argument("--triton-grpc", required=True, help="tritonserver's gRPC target (unix:PATH or host:port)")
+    p.add_argument("--triton-metrics", required=True, help="tritonserver's metrics endpoint, as --triton-http")
+    p.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes)
+    p.add_argument("--max-message-bytes", type=int, default=Limits.max_message_bytes)
+    p.add_argument("--tls-cert", type=Path, help="PEM certificate: serve gRPC over TLS")
+    p.add_argument("--tls-key", type=Path)
+    p.add_argument("--triton-pid", type=int, help="tritonserver's process id: readiness also requires its model "
+                                                   "process (the Python backend's stub) to be alive")
+    p.add_argument("--exit-when-unready", type=float, default=0.0,
+                   help="exit (status 3) when the model stays unready this many seconds (0: never)")
+    return p.parse_args(argv)
+
+
+async def run(args: argparse.Namespace) -> int:
+    limits = Limits(args.max_body_bytes, args.max_message_bytes)
+    credentials = None
+    if args.tls_cert:
+        credentials = grpc.ssl_server_credentials([(args.tls_key.read_bytes(), args.tls_cert.read_bytes())])
+    runners = []
+    upstream = Upstream(args.triton_http, args.triton_pid)
+    for app, port in ((make_app(upstream, limits), args.http_port),
+                      (make_metrics_app(Upstream(args.triton_metrics)), args.metrics_port)):
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, args.host, port).start()
+        runners.append(runner)
+    server, passthrough = await grpc_side.serve(args.host, args.grpc_port, args.triton_grpc, limits, credentials)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"frontdoor: http {args.host}:{args.http_port} grpc {args.host}:{args.grpc_port} "
+          f"metrics {args.host}:{args.metrics_port} -> triton {args.triton_grpc}", flush=True)
+    watch = asyncio.create_task(_watch_readiness(upstream, args.exit_when_unready, stop))
+    await stop.wait()
+    watch.cancel()
+    await server.stop(grace=5)
+    await passthrough.close()
+    for runner in runners:
+        await runner.cleanup()
+    with contextlib.suppress(asyncio.CancelledError):
+        return UNREADY_EXIT if await watch else 0
+
+
+async def _watch_readiness(upstream: Upstream, limit: float, stop: asyncio.Event) -> bool:
+    """True (and `stop` set) when the model has been unready for `limit` seconds."""
+    if limit <= 0:
+        await asyncio.Event().wait()
+    unready_since = None
+    while True:
+        now = time.monotonic()
+        unready_since = None if await upstream.ready() else unready_since or now
+        if unready_since is not None and now - unready_since >= limit:
+            print(f"frontdoor: the model has not been ready for {limit:g} s; exiting so that it is restarted",
+                  file=sys.stderr, flush=True)
+            stop.set()
+            return True
+        await asyncio.sleep(1.0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    sys.exit(asyncio.run(run(parse(argv))))
+
+
+if __name__ == "__main__":
+    main()

@@ -68,4 +68,4 @@ class SeedBatcher:
                                                                    ignore_eos=True), lambda out: None)
                 for p in batch]
         self.engine.generate(seqs)
-        return [s.text for s in seqs]
+        return [s.output.text for s in seqs]

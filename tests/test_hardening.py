@@ -102,21 +102,29 @@ def test_an_expired_deadline_stops_the_work_on_the_server(server):
 
 
 def test_cancelling_a_batchstring_call_cancels_its_items_on_the_server(server):
+    # 48 items of 450 tokens share the batch: each takes seconds, far longer than the cancellation
+    # needs to reach the engine (the responder asks Triton about every live request twice a second).
+    items = 48
     before = metrics(server.metrics_url)
 
     async def cancelled_call() -> None:
         async with AsyncBatchClient(server.grpc_url) as c:
-            task = asyncio.create_task(c.batchstring([f"def long_{i}():" for i in range(8)], max_tokens=400,
+            task = asyncio.create_task(c.batchstring([f"def long_{i}():" for i in range(items)], max_tokens=450,
                                                      ignore_eos=True))
-            await asyncio.sleep(0.5)
+            await asyncio.to_thread(metric_reaches, server.metrics_url, "batchstring_running_sequences", items)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
 
     asyncio.run(cancelled_call())
     name = "batchstring_cancelled_total"
-    assert metric_reaches(server.metrics_url, name, before.get(name, 0) + 8) - before.get(name, 0) >= 8
-    time.sleep(0.6)
+    assert metric_reaches(server.metrics_url, name, before.get(name, 0) + items) - before.get(name, 0) >= items
+    after = metrics(server.metrics_url)
+    finished = "batchstring_generated_tokens_total"
+    assert after[finished] - before[finished] < items * 450 / 2, "the items stopped well before their end"
+    deadline = time.monotonic() + 10
+    while metrics(server.metrics_url)["batchstring_running_sequences"] and time.monotonic() < deadline:
+        time.sleep(0.25)
     assert metrics(server.metrics_url)["batchstring_running_sequences"] == 0
 
 

@@ -2,6 +2,7 @@
 
 from client.aio import AsyncBatchClient
 from client.errors import BatchError, DeadlineExceeded, ItemError, StreamBroken
+from client.protocol import Completion
 from client.retry import RetryPolicy
 from client.sync import BatchClient, batchstring
 
@@ -9,6 +10,7 @@ __all__ = [
     "AsyncBatchClient",
     "BatchClient",
     "BatchError",
+    "Completion",
     "DeadlineExceeded",
     "ItemError",
     "RetryPolicy",

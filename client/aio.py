@@ -15,13 +15,14 @@ import grpc
 
 from client.connection import CallStreams, Connection
 from client.errors import INVALID_ARGUMENT, BatchError, DeadlineExceeded, ItemError, StreamBroken
-from client.protocol import GenerationOptions, Piece, build_request, encode_text
+from client.protocol import Completion, GenerationOptions, Piece, build_request, encode_text
 from client.retry import RetryPolicy
 
 DEFAULT_URL = "localhost:8001"
 DEFAULT_MAX_TOKENS = 64
 MAX_MESSAGE_BYTES = 2**20  # the server's front door refuses larger gRPC messages (--max-message-bytes)
 HEALTH_PROBE_SECONDS = 2.0
+API_KEY_ENV = "BATCHSTRING_API_KEY"  # the key a server with API keys wants (never on a command line)
 DISCOVERY_SECONDS = 30.0
 
 
@@ -66,8 +67,10 @@ class AsyncBatchClient:
         root_certificates: str | Path | None = None,
         discover: bool = False,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
+        api_key: str | None = None,
     ) -> None:
         self.max_message_bytes = max_message_bytes
+        self._api_key = api_key or os.environ.get(API_KEY_ENV) or None
         self._credentials = None
         if tls or root_certificates:
             root = Path(root_certificates).read_bytes() if root_certificates else None
@@ -102,7 +105,18 @@ class AsyncBatchClient:
 
     # ----- the batch API -----------------------------------------------------------------------
 
-    async def batchstring(
+    async def batchstring(self, inputs: Sequence[str], **options) -> list[str | BaseException]:
+        """Completions for `inputs`, in order: their text. Greedy by default (temperature 0).
+
+        Takes `complete`'s options; with `return_exceptions`, a failed item is its exception.
+        """
+        results = await self.complete(inputs, **{**options, "return_exceptions": True})
+        texts = [r.text if isinstance(r, Completion) else r for r in results]
+        if not options.get("return_exceptions") and any(isinstance(r, BaseException) for r in texts):
+            raise BatchError(texts)
+        return texts
+
+    async def complete(
         self,
         inputs: Sequence[str],
         *,
@@ -113,10 +127,12 @@ class AsyncBatchClient:
         seed: int | None = None,
         stop: Sequence[str] | None = None,
         ignore_eos: bool | None = None,
+        min_tokens: int | None = None,
+        logprobs: int | None = None,
         timeout: float | None = None,
         return_exceptions: bool = False,
-    ) -> list[str | BaseException]:
-        """Completions for `inputs`, in order. Greedy by default (temperature 0).
+    ) -> list[Completion | BaseException]:
+        """Each input's `Completion` (text, finish reason, token counts, log-probabilities), in order.
 
         `timeout` bounds the whole call, retries included (default: the retry policy's deadline).
         """
@@ -126,7 +142,7 @@ class AsyncBatchClient:
         if not encoded:
             return []
         options = GenerationOptions(max_tokens, temperature, top_p, top_k, seed,
-                                    tuple(stop) if stop is not None else None, ignore_eos)
+                                    tuple(stop) if stop is not None else None, ignore_eos, min_tokens, logprobs)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (timeout if timeout is not None else self.retry.deadline)
         streams = CallStreams()
@@ -148,16 +164,26 @@ class AsyncBatchClient:
             raise BatchError(results)
         return results
 
-    async def stream(self, prompt: str, *, max_tokens: int | None = DEFAULT_MAX_TOKENS,
-                     temperature: float | None = 0.0, timeout: float | None = None, **sampling) -> AsyncIterator[str]:
-        """Yields text pieces as they are generated. Closing it (or cancelling the task that
-        iterates it) cancels the request on the server, which frees its cache.
+    async def stream(self, prompt: str, **options) -> AsyncIterator[str]:
+        """Yields text pieces as they are generated; takes `stream_pieces`' options."""
+        async for piece in self.stream_pieces(prompt, **options):
+            if piece.text:
+                yield piece.text
+
+    async def stream_pieces(self, prompt: str, *, max_tokens: int | None = DEFAULT_MAX_TOKENS,
+                            temperature: float | None = 0.0, timeout: float | None = None,
+                            **sampling) -> AsyncIterator[Piece]:
+        """Yields the responses as they are generated; the last says how the generation ended and
+        counts its tokens. Closing it (or cancelling the task that iterates it) cancels the request
+        on the server, which frees its cache.
 
         `timeout` bounds the whole generation (default: the retry policy's deadline); the stream
         holds one of the client's in-flight slots; if it breaks before the first piece (a server
         restart, a full queue) it is retried like a `batchstring` item.
         """
         text = encode_text(prompt)
+        if sampling.get("stop") is not None:
+            sampling["stop"] = tuple(sampling["stop"])
         options = GenerationOptions(max_tokens=max_tokens, temperature=temperature, **sampling)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (timeout if timeout is not None else self.retry.deadline)
@@ -178,9 +204,8 @@ class AsyncBatchClient:
                         except StopAsyncIteration:
                             break
                         _raise_for(piece)
-                        if piece.text:
-                            started = True
-                            yield piece.text
+                        started = started or bool(piece.text)
+                        yield piece
                     finished = True
                     return
                 except TimeoutError:
@@ -196,7 +221,8 @@ class AsyncBatchClient:
 
     # ----- one item ----------------------------------------------------------------------------
 
-    async def _complete(self, text: bytes, options: GenerationOptions, deadline: float, streams: CallStreams) -> str:
+    async def _complete(self, text: bytes, options: GenerationOptions, deadline: float,
+                        streams: CallStreams) -> Completion:
         loop = asyncio.get_running_loop()
         attempt = 0
         while True:
@@ -213,7 +239,7 @@ class AsyncBatchClient:
                         conn.outstanding -= 1
                 for piece in pieces:
                     _raise_for(piece)
-                return "".join(p.text for p in pieces)
+                return Completion.join(pieces)
             except TimeoutError:
                 raise DeadlineExceeded(f"no result before the deadline (attempt {attempt} timed out)") from None
             except ItemError as exc:
@@ -250,7 +276,7 @@ class AsyncBatchClient:
         for gone in set(self.connections) - set(kept):
             asyncio.get_running_loop().create_task(gone.close())
         known = {c.url for c in kept}
-        added = [Connection(u, self._credentials, wanted[u]) for u in wanted if u not in known]
+        added = [Connection(u, self._credentials, wanted[u], self._api_key) for u in wanted if u not in known]
         self.connections = kept + added
 
     def _pick(self) -> Connection:

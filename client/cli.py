@@ -1,18 +1,21 @@
-"""`batchstring run "text" ...`: completions from a running server, one per argument."""
+"""`batchstring run "text" ...`: completions from a running server, one per argument; or, with
+`--input FILE --output FILE`, a resumable job over a file (client/jobs.py)."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
+from pathlib import Path
 
-from client.aio import DEFAULT_MAX_TOKENS, DEFAULT_URL
+from client.aio import DEFAULT_MAX_TOKENS, DEFAULT_URL, AsyncBatchClient
 from client.errors import BatchError
 from client.sync import BatchClient
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("texts", nargs="+", metavar="TEXT", help="prompts; use - to read one prompt per line from stdin")
+    p.add_argument("texts", nargs="*", metavar="TEXT", help="prompts; use - to read one prompt per line from stdin")
     p.add_argument("--url", default=DEFAULT_URL, help="server gRPC address(es), comma-separated")
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -20,9 +23,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, help="seconds for the whole call, retries included")
     p.add_argument("--tls-ca", help="PEM CA certificate: connect over TLS")
     p.add_argument("--json", action="store_true", help="print a JSON list instead of text")
+    job = p.add_argument_group("jobs over files (resumable: rerun the same command after an interruption)")
+    job.add_argument("--input", type=Path, help="JSONL in the OpenAI batch format, or text with one prompt per line")
+    job.add_argument("--output", type=Path, help="JSONL in the OpenAI batch output format; appended to, one line "
+                                                 "per input")
+    job.add_argument("--format", choices=("auto", "jsonl", "text"), default="auto",
+                     help="input format (auto: .jsonl/.json files or a first line with a custom_id are JSONL)")
+    job.add_argument("--skip-malformed", action="store_true", help="run the valid lines of a file with malformed ones")
+    job.add_argument("--retry-failed", action="store_true", help="run again the items whose output line is an error")
+    job.add_argument("--max-in-flight", type=int, default=256, help="items outstanding at once (default: %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.input or args.output:
+        return run_file(args)
+    if not args.texts:
+        raise SystemExit("batchstring run: give prompts as arguments, - for stdin, or --input FILE --output FILE")
     texts = [line.rstrip("\n") for line in sys.stdin] if args.texts == ["-"] else args.texts
     with BatchClient(args.url, root_certificates=args.tls_ca) as client:
         try:
@@ -42,3 +58,29 @@ def run(args: argparse.Namespace) -> int:
     if failed:
         print(f"batchstring run: {BatchError(results)}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def run_file(args: argparse.Namespace) -> int:
+    from client.jobs import is_jsonl, run_job
+
+    if not (args.input and args.output):
+        raise SystemExit("batchstring run: --input and --output go together")
+    if not args.input.is_file():
+        raise SystemExit(f"batchstring run: no such input file: {args.input}")
+    jsonl = is_jsonl(args.input) if args.format == "auto" else args.format == "jsonl"
+    defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed}
+
+    async def job():
+        async with AsyncBatchClient(args.url, root_certificates=args.tls_ca, max_in_flight=args.max_in_flight) as c:
+            return await run_job(c, args.input, args.output, defaults, jsonl=jsonl, timeout=args.timeout,
+                                 skip_malformed=args.skip_malformed, retry_failed=args.retry_failed,
+                                 max_in_flight=args.max_in_flight)
+
+    try:
+        summary = asyncio.run(job())
+    except KeyboardInterrupt:
+        print(f"batchstring run: interrupted; what finished is in {args.output}: rerun the same command to "
+              "complete the rest", file=sys.stderr)
+        return 130
+    print("\n".join(summary.lines()), file=sys.stderr)
+    return 1 if summary.failed else 0

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from client.errors import StreamBroken
+from client.errors import UNAUTHENTICATED, StreamBroken
 from client.protocol import MODEL, Piece, parse_response
 
 CHANNEL_OPTIONS = [
@@ -31,10 +31,10 @@ _DONE = object()
 
 
 class _Stream:
-    def __init__(self, stub: service_pb2_grpc.GRPCInferenceServiceStub) -> None:
+    def __init__(self, stub: service_pb2_grpc.GRPCInferenceServiceStub, metadata: tuple = ()) -> None:
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._sinks: dict[str, asyncio.Queue] = {}
-        self.call = stub.ModelStreamInfer(self._requests())
+        self.call = stub.ModelStreamInfer(self._requests(), metadata=metadata)
         self.closed = False
         self._reader = asyncio.create_task(self._read())
 
@@ -52,13 +52,16 @@ class _Stream:
                     sink.put_nowait(piece)
         except grpc.aio.AioRpcError as exc:
             reason = f"{exc.code().name}: {exc.details()}"
+            if exc.code() == grpc.StatusCode.UNAUTHENTICATED:  # an error of each item; sending again cannot help
+                reason = f"{UNAUTHENTICATED}: {exc.details()}"
         except asyncio.CancelledError:
             reason = "stream cancelled"
         finally:
             self.closed = True
             self._outbox.put_nowait(_DONE)  # ends the request iterator too
             for request_id, sink in self._sinks.items():
-                sink.put_nowait(Piece(request_id, final=True, error=f"stream broken ({reason})"))
+                error = reason if reason.startswith(UNAUTHENTICATED) else f"stream broken ({reason})"
+                sink.put_nowait(Piece(request_id, final=True, error=error))
 
     async def request(self, request: service_pb2.ModelInferRequest) -> AsyncIterator[Piece]:
         """Sends one request and yields its responses until the final one."""
@@ -96,8 +99,9 @@ class Connection:
     """A server endpoint, its health as this client sees it, and its load (outstanding items)."""
 
     def __init__(self, url: str, credentials: grpc.ChannelCredentials | None = None,
-                 tls_name: str | None = None) -> None:
+                 tls_name: str | None = None, api_key: str | None = None) -> None:
         self.url = url
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         if credentials is None:
             self.channel = grpc.aio.insecure_channel(url, options=CHANNEL_OPTIONS)
         else:  # tls_name: the certificate's name when `url` is an address found by discovery
@@ -115,11 +119,12 @@ class Connection:
         self.down_until = time.monotonic() + seconds
 
     def open_stream(self) -> _Stream:
-        return _Stream(self.stub)
+        return _Stream(self.stub, self.metadata)
 
     async def model_ready(self, timeout: float = 2.0) -> bool:
         try:
-            reply = await self.stub.ModelReady(service_pb2.ModelReadyRequest(name=MODEL), timeout=timeout)
+            reply = await self.stub.ModelReady(service_pb2.ModelReadyRequest(name=MODEL), timeout=timeout,
+                                               metadata=self.metadata)
         except grpc.aio.AioRpcError:
             return False
         return reply.ready

@@ -13,8 +13,9 @@ INVALID_ARGUMENT = "INVALID_ARG"
 UNAVAILABLE = "UNAVAILABLE"
 INTERNAL = "INTERNAL"
 STREAM_BROKEN = "STREAM_BROKEN"
+UNAUTHENTICATED = "UNAUTHENTICATED"  # the server wants an API key this client did not send
 RETRYABLE = frozenset({UNAVAILABLE, STREAM_BROKEN})
-MODEL_KINDS = (INVALID_ARGUMENT, UNAVAILABLE, INTERNAL)
+MODEL_KINDS = (INVALID_ARGUMENT, UNAVAILABLE, INTERNAL, UNAUTHENTICATED)  # kinds carried in front of a message
 
 # Triton's own errors, which it sends without a code; all of them mean "not now".
 TRITON_UNAVAILABLE = (

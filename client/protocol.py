@@ -29,6 +29,8 @@ class GenerationOptions:
     seed: int | None = None
     stop: tuple[str, ...] | None = None
     ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    logprobs: int | None = None  # top-n log-probabilities per generated token (0: the chosen token's only)
 
     def to_json(self) -> str | None:
         values = {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items() if v is not None}
@@ -46,6 +48,26 @@ class Piece:
     num_input_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None
+    logprobs: list[dict] | None = None  # per token generated in this piece, when requested
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One string's whole answer, with how it ended: what `AsyncBatchClient.complete` returns."""
+
+    text: str
+    finish_reason: str  # "stop" (end of sequence or a stop string) or "length" (max_tokens)
+    prompt_tokens: int
+    completion_tokens: int
+    logprobs: list[dict] | None = None
+
+    @classmethod
+    def join(cls, pieces: list[Piece]) -> Completion:
+        last = pieces[-1] if pieces else Piece("")
+        logprobs = [e for p in pieces for e in p.logprobs or ()] if any(p.logprobs is not None for p in pieces) \
+            else None
+        return cls("".join(p.text for p in pieces), last.finish_reason, last.num_input_tokens,
+                   last.num_output_tokens, logprobs)
 
 
 def _bytes_input(request: service_pb2.ModelInferRequest, name: str, value: bytes) -> None:
@@ -104,4 +126,5 @@ def parse_response(message: service_pb2.ModelStreamInferResponse) -> Piece:
         finish_reason=values.get("finish_reason", ""),
         num_input_tokens=values.get("num_input_tokens", 0),
         num_output_tokens=values.get("num_output_tokens", 0),
+        logprobs=json.loads(values["logprobs"]) if "logprobs" in values else None,
     )

@@ -45,6 +45,10 @@ class BatchClient:
         """See `AsyncBatchClient.batchstring`."""
         return self._call(self._aio.batchstring(inputs, **options))
 
+    def complete(self, inputs: Sequence[str], **options) -> list:
+        """See `AsyncBatchClient.complete`: each item's text, finish reason and token counts."""
+        return self._call(self._aio.complete(inputs, **options))
+
     def ready(self) -> bool:
         return self._call(self._aio.ready())
 

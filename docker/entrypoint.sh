@@ -6,6 +6,8 @@
 #   - no remote model control (--model-control-mode=none); admin APIs are not reachable through the
 #     front door, and need a header key besides: BATCHSTRING_ADMIN_KEY_FILE (a mounted secret),
 #     BATCHSTRING_ADMIN_KEY, or a random one nobody holds
+#   - the OpenAI-compatible API (/v1) on the HTTP port, unless BATCHSTRING_OPENAI=0; API keys, when
+#     wanted, from BATCHSTRING_API_KEY_FILE (a mounted secret, one key per line) or BATCHSTRING_API_KEYS
 #   - strict readiness; 30 s to drain in-flight requests on SIGTERM (Kubernetes grace period: 45 s)
 #   - the container exits when either process exits, or when the model stays unready for
 #     BATCHSTRING_EXIT_WHEN_UNREADY seconds (default 60): restart policies act on exits only
@@ -33,7 +35,12 @@ unset BATCHSTRING_ADMIN_KEY
   --grpc-restricted-protocol="${RESTRICTED}" \
   "$@" &
 TRITON=$!
-"${PYTHON:-python3}" -m frontdoor \
+FRONT_OPTIONS=(--model-dir "${MODEL_REPOSITORY:-/models}/llm/1")
+if [ "${BATCHSTRING_OPENAI:-1}" = "0" ]; then FRONT_OPTIONS+=(--no-openai); fi
+if [ -f "${BATCHSTRING_API_KEY_FILE:-/nonexistent}" ]; then  # an optional Secret: keys when it is mounted
+  FRONT_OPTIONS+=(--api-key-file "$BATCHSTRING_API_KEY_FILE")
+fi
+"${PYTHON:-python3}" -m frontdoor "${FRONT_OPTIONS[@]}" \
   --host "${BATCHSTRING_HOST:-0.0.0.0}" \
   --http-port "${BATCHSTRING_HTTP_PORT:-8000}" \
   --grpc-port "${BATCHSTRING_GRPC_PORT:-8001}" \

@@ -26,6 +26,10 @@ class ExportResult:
     max_diff: dict[str, float]
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json")
+
+
 def load_checkpoint(path: Path):
     """Config first, so an unsupported architecture is refused before any weights are read."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -90,7 +94,9 @@ def export_model(
             artifacts.write_onnx(step, scratch / "model.onnx")
         with console.status("exporting TorchScript (trace)..."):
             artifacts.write_torchscript(step, scratch / "model.pt")
-        shutil.copyfile(source / "tokenizer.json", scratch / "tokenizer.json")
+        for name in TOKENIZER_FILES:  # the chat template and special tokens travel with the model
+            if (source / name).is_file():
+                shutil.copyfile(source / name, scratch / name)
         spec = artifacts.runtime_spec(step, hf_model.config, eos, source.name)
         artifacts.write_runtime_spec(spec, scratch / "runtime.json")
 

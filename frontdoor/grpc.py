@@ -13,22 +13,27 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from frontdoor.auth import ApiKeys
 from frontdoor.limits import Limits
 
 SERVICE = "/inference.GRPCInferenceService/"
 UNARY = ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelConfig",
          "ModelStatistics", "ModelInfer")
 STREAM = ("ModelStreamInfer",)
+OPEN = ("ServerLive", "ServerReady", "ModelReady")  # health: probes need no key
 
 
 class Passthrough(grpc.GenericRpcHandler):
-    def __init__(self, upstream: str, limits: Limits) -> None:
+    def __init__(self, upstream: str, limits: Limits, keys: ApiKeys | None = None) -> None:
+        self.keys = keys or ApiKeys([])
         options = [("grpc.max_receive_message_length", 64 * 2**20),
                    ("grpc.max_send_message_length", limits.max_message_bytes)]
         self.channel = grpc.aio.insecure_channel(upstream, options=options)
 
     def service(self, details: grpc.HandlerCallDetails):
         name = details.method.removeprefix(SERVICE)
+        if name in UNARY + STREAM and name not in OPEN and not self.keys.allows(_authorization(details)):
+            return _refuse(name in STREAM, self.keys.REFUSAL)
         if name in UNARY:
             return grpc.unary_unary_rpc_method_handler(self._unary(details.method))
         if name in STREAM:
@@ -65,9 +70,26 @@ class Passthrough(grpc.GenericRpcHandler):
         await self.channel.close()
 
 
-async def serve(host: str, port: int, upstream: str, limits: Limits,
-                credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.aio.Server, Passthrough]:
-    handler = Passthrough(upstream, limits)
+def _authorization(details: grpc.HandlerCallDetails) -> str | None:
+    return next((value for key, value in details.invocation_metadata or () if key == "authorization"), None)
+
+
+def _refuse(stream: bool, message: str):
+    async def unary(request, context: grpc.aio.ServicerContext):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def streamed(requests, context: grpc.aio.ServicerContext):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield b""  # unreachable: makes this an async generator, as stream handlers are
+
+    if stream:
+        return grpc.stream_stream_rpc_method_handler(streamed)
+    return grpc.unary_unary_rpc_method_handler(unary)
+
+
+async def serve(host: str, port: int, upstream: str, limits: Limits, credentials: grpc.ServerCredentials | None = None,
+                keys: ApiKeys | None = None) -> tuple[grpc.aio.Server, Passthrough]:
+    handler = Passthrough(upstream, limits, keys)
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", limits.max_message_bytes),
         ("grpc.max_send_message_length", 64 * 2**20),

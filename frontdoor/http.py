@@ -12,8 +12,10 @@ from collections.abc import Callable
 import aiohttp
 from aiohttp import web
 
+from frontdoor.auth import ApiKeys
 from frontdoor.health import stub_alive
 from frontdoor.limits import Limits
+from frontdoor.openai_api import OpenAIRoutes, error_response
 
 MODEL = "llm"
 GET_ROUTES = ("/v2", "/v2/health/live", "/v2/health/ready", f"/v2/models/{MODEL}", f"/v2/models/{MODEL}/ready",
@@ -21,10 +23,13 @@ GET_ROUTES = ("/v2", "/v2/health/live", "/v2/health/ready", f"/v2/models/{MODEL}
 POST_ROUTES = (f"/v2/models/{MODEL}/generate", f"/v2/models/{MODEL}/generate_stream", f"/v2/models/{MODEL}/infer")
 FORWARDED_HEADERS = ("Content-Type", "Accept", "Inference-Header-Content-Length", "Content-Encoding")
 RETURNED_HEADERS = ("Content-Type", "Inference-Header-Content-Length", "Cache-Control")
+OPEN_ROUTES = ("/v2/health/live", "/v2/health/ready", f"/v2/models/{MODEL}/ready")  # probes need no key
 
 
-def error(status: int, message: str) -> web.Response:
-    """Errors in Triton's own JSON shape, so clients of either read them the same way."""
+def error(status: int, message: str, path: str = "") -> web.Response:
+    """Errors in the shape the route's clients read: OpenAI's under /v1, Triton's elsewhere."""
+    if path.startswith("/v1/"):
+        return error_response(status, message)
     return web.json_response({"error": message}, status=status)
 
 
@@ -83,7 +88,8 @@ class Upstream:
                               "retry with backoff")
 
 
-def make_app(upstream: Upstream, limits: Limits) -> web.Application:
+def make_app(upstream: Upstream, limits: Limits, openai: OpenAIRoutes | None = None,
+             keys: ApiKeys | None = None) -> web.Application:
     async def handle(request: web.Request) -> web.StreamResponse:
         body = await request.read() if request.method == "POST" else b""
         return await upstream.forward(request, body)
@@ -94,9 +100,12 @@ def make_app(upstream: Upstream, limits: Limits) -> web.Application:
                               "the server is being restarted")
         return await upstream.forward(request, b"")
 
-    app = web.Application(client_max_size=limits.max_body_bytes, middlewares=[_errors(limits)])
+    app = web.Application(client_max_size=limits.max_body_bytes,
+                          middlewares=[_errors(limits, openai is not None), _auth(keys or ApiKeys([]))])
     app.router.add_routes([web.get(path, readiness if path.endswith("ready") else handle) for path in GET_ROUTES])
     app.router.add_routes([web.post(path, handle) for path in POST_ROUTES])
+    if openai is not None:
+        openai.add_to(app)
     app.on_startup.append(lambda _: upstream.start())
     app.on_cleanup.append(lambda _: upstream.close())
     return app
@@ -113,18 +122,34 @@ def make_metrics_app(upstream: Upstream) -> web.Application:
     return app
 
 
-def _errors(limits: Limits) -> Callable:
+def _auth(keys: ApiKeys) -> Callable:
     @web.middleware
     async def middleware(request: web.Request, handler) -> web.StreamResponse:
+        if request.path in OPEN_ROUTES or keys.allows(request.headers.get("Authorization")):
+            return await handler(request)
+        return error(401, keys.REFUSAL, request.path)
+
+    return middleware
+
+
+def _errors(limits: Limits, openai: bool = False) -> Callable:
+    gets, posts = list(GET_ROUTES), list(POST_ROUTES)
+    if openai:
+        gets.append("/v1/models")
+        posts += ["/v1/completions", "/v1/chat/completions"]
+
+    @web.middleware
+    async def middleware(request: web.Request, handler) -> web.StreamResponse:
+        path = request.path
         try:
             return await handler(request)
         except web.HTTPRequestEntityTooLarge:
-            return error(413, limits.too_large("the request body", limits.max_body_bytes))
+            return error(413, limits.too_large("the request body", limits.max_body_bytes), path)
         except web.HTTPNotFound:
-            return error(404, f"no route {request.path!r} here; the front door serves GET {', '.join(GET_ROUTES)} "
-                              f"and POST {', '.join(POST_ROUTES)}")
+            return error(404, f"no route {path!r} here; the front door serves GET {', '.join(gets)} "
+                              f"and POST {', '.join(posts)}", path)
         except web.HTTPMethodNotAllowed as exc:
             allowed = ", ".join(exc.allowed_methods)
-            return error(405, f"{request.method} is not allowed on {request.path}; use {allowed}")
+            return error(405, f"{request.method} is not allowed on {path}; use {allowed}", path)
 
     return middleware

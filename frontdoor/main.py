@@ -18,9 +18,13 @@ from pathlib import Path
 import grpc
 from aiohttp import web
 
+from client import AsyncBatchClient
 from frontdoor import grpc as grpc_side
-from frontdoor.http import Upstream, make_app, make_metrics_app
+from frontdoor.auth import ApiKeys
+from frontdoor.chat import ChatTemplate
+from frontdoor.http import MODEL, Upstream, make_app, make_metrics_app
 from frontdoor.limits import Limits
+from frontdoor.openai_api import OpenAIRoutes
 
 UNREADY_EXIT = 3
 
@@ -40,6 +44,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tls-key", type=Path)
     p.add_argument("--triton-pid", type=int, help="tritonserver's process id: readiness also requires its model "
                                                    "process (the Python backend's stub) to be alive")
+    p.add_argument("--no-openai", action="store_true", help="do not serve the OpenAI-compatible /v1 routes")
+    p.add_argument("--served-model-name", default=MODEL, help="the model name of the /v1 routes (default: %(default)s)")
+    p.add_argument("--model-dir", type=Path, help="the exported model directory (its chat template, if any)")
+    p.add_argument("--chat-template", type=Path, help="a Jinja chat template file, instead of the model's own")
+    p.add_argument("--api-key-file", type=Path,
+                   help="require one of these API keys (one per line) on every inference route; keys may also "
+                        "come from the BATCHSTRING_API_KEYS environment variable (never from the command line)")
     p.add_argument("--exit-when-unready", type=float, default=0.0,
                    help="exit (status 3) when the model stays unready this many seconds (0: never)")
     return p.parse_args(argv)
@@ -51,25 +62,35 @@ async def run(args: argparse.Namespace) -> int:
     if args.tls_cert:
         credentials = grpc.ssl_server_credentials([(args.tls_key.read_bytes(), args.tls_cert.read_bytes())])
     runners = []
+    keys = ApiKeys.load(args.api_key_file)
     upstream = Upstream(args.triton_http, args.triton_pid)
-    for app, port in ((make_app(upstream, limits), args.http_port),
+    openai, client = None, None
+    if not args.no_openai:  # requests go to Triton's gRPC socket through the batchstring client
+        client = AsyncBatchClient(args.triton_grpc, max_in_flight=4096, max_message_bytes=args.max_message_bytes)
+        openai = OpenAIRoutes(client, args.served_model_name, ChatTemplate.find(args.model_dir, args.chat_template))
+    for app, port in ((make_app(upstream, limits, openai, keys), args.http_port),
                       (make_metrics_app(Upstream(args.triton_metrics)), args.metrics_port)):
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         await web.TCPSite(runner, args.host, port).start()
         runners.append(runner)
-    server, passthrough = await grpc_side.serve(args.host, args.grpc_port, args.triton_grpc, limits, credentials)
+    server, passthrough = await grpc_side.serve(args.host, args.grpc_port, args.triton_grpc, limits, credentials,
+                                                keys)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     print(f"frontdoor: http {args.host}:{args.http_port} grpc {args.host}:{args.grpc_port} "
-          f"metrics {args.host}:{args.metrics_port} -> triton {args.triton_grpc}", flush=True)
+          f"metrics {args.host}:{args.metrics_port} -> triton {args.triton_grpc}; "
+          f"OpenAI API {'off' if openai is None else 'on'}, chat {'on' if openai and openai.chat else 'off'}, "
+          f"API keys {'required' if keys.enabled else 'off'}", flush=True)
     watch = asyncio.create_task(_watch_readiness(upstream, args.exit_when_unready, stop))
     await stop.wait()
     watch.cancel()
     await server.stop(grace=5)
     await passthrough.close()
+    if client is not None:
+        await client.close()
     for runner in runners:
         await runner.cleanup()
     with contextlib.suppress(asyncio.CancelledError):

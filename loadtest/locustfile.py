@@ -5,6 +5,12 @@ concurrently, reassembled in order, and reported to Locust as one request named
 `batchstring[<list size>]` whose time is the whole call. With streaming on, each string's time
 to first token is also reported, as `ttft`.
 
+Two kinds of users share the load: `BatchstringUser` calls Triton's generate endpoints, one
+request per string; `OpenAIUser` sends each call as one `POST /v1/completions` whose prompt is the
+list (the OpenAI-compatible API; streamed as server-sent events with --stream). Run one kind
+only by naming it: `locust -f loadtest/locustfile.py OpenAIUser`. With API keys on the server,
+set BATCHSTRING_API_KEY.
+
 Transport: Triton's HTTP generate endpoints through Locust's own gevent-native client
 (FastHttpUser). The project's Python client speaks gRPC through asyncio (grpc.aio), which does
 not run under gevent's monkey-patching; the generate endpoint is the same model and contract.
@@ -111,20 +117,52 @@ class BatchstringUser(FastHttpUser):
             return exc
 
 
+class OpenAIUser(FastHttpUser):
+    wait_time = between(0.0, 0.5)
+    network_timeout = 120.0
+    connection_timeout = 10.0
+
+    @task
+    def completions(self) -> None:
+        opts = self.environment.parsed_options
+        size = random.randint(*_range(opts.list_size))
+        body = {"model": "llm", "prompt": random.choices(PROMPTS, k=size), "temperature": 0,
+                "max_tokens": random.randint(*_range(opts.max_tokens)), "stream": opts.stream}
+        key = os.environ.get("BATCHSTRING_API_KEY")
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        with self.client.post("/v1/completions", name=f"openai[{size}]", json=body, headers=headers,
+                              catch_response=True, stream=opts.stream) as response:
+            if response.status_code != 200:
+                response.failure(f"HTTP {response.status_code}: {_error_message(response)}")
+                return
+            if not opts.stream:
+                choices = json.loads(response.content)["choices"]
+            else:
+                events = list(_sse_events(response, done=b"[DONE]"))
+                errors = [e["error"] for e in events if "error" in e]
+                if errors:
+                    response.failure(str(errors[0]))
+                    return
+                choices = [c for e in events for c in e.get("choices", ()) if c.get("finish_reason")]
+            if len(choices) != size:
+                response.failure(f"{len(choices)} completions for {size} prompts")
+
+
 def _error_message(response) -> str:
     try:
-        return json.loads(response.content)["error"]
+        error = json.loads(response.content)["error"]
+        return error["message"] if isinstance(error, dict) else error  # OpenAI's shape, or Triton's
     except (ValueError, KeyError, TypeError):
         return (response.text or "")[:200]
 
 
-def _sse_events(response):
-    """Parses the server-sent events of generate_stream: `data: {json}` blocks."""
+def _sse_events(response, done: bytes | None = None):
+    """Parses server-sent events: `data: {json}` blocks (until `data: <done>`, for OpenAI's)."""
     buffer = b""
     for chunk in response.iter_content(chunk_size=512, decode_content=False):
         buffer += chunk
         while b"\n\n" in buffer:
             block, buffer = buffer.split(b"\n\n", 1)
             for line in block.splitlines():
-                if line.startswith(b"data:"):
+                if line.startswith(b"data:") and line[5:].strip() != done:
                     yield json.loads(line[5:])

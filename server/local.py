@@ -58,6 +58,7 @@ class LocalServer:
     log_path: Path | None = None
     max_body_bytes: int | None = None  # front door limits (None: its defaults)
     max_message_bytes: int | None = None
+    front_door_options: tuple[str, ...] = ()  # more `python -m frontdoor` flags (OpenAI API, API keys)
     process: subprocess.Popen | None = field(default=None, init=False)
     front: subprocess.Popen | None = field(default=None, init=False)
 
@@ -101,7 +102,8 @@ class LocalServer:
         argv = [sys.executable, "-m", "frontdoor", "--host", self.host, "--http-port", str(self.ports.http),
                 "--grpc-port", str(self.ports.grpc), "--metrics-port", str(self.ports.metrics),
                 "--triton-http", str(self.sockets.http), "--triton-grpc", self.sockets.grpc_target,
-                "--triton-metrics", str(self.sockets.metrics), "--triton-pid", str(self.process.pid)]
+                "--triton-metrics", str(self.sockets.metrics), "--triton-pid", str(self.process.pid),
+                "--model-dir", str(self.repository / MODEL / MODEL_VERSION_DIR.name), *self.front_door_options]
         if self.tls:
             argv += ["--tls-cert", str(self.tls.cert), "--tls-key", str(self.tls.key)]
         for flag, value in (("--max-body-bytes", self.max_body_bytes), ("--max-message-bytes", self.max_message_bytes)):

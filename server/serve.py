@@ -29,6 +29,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-message-bytes", type=int, help="largest gRPC message (default 1 MiB)")
     p.add_argument("--tls-cert", type=Path, help="PEM certificate: serve gRPC over TLS")
     p.add_argument("--tls-key", type=Path, help="PEM private key for --tls-cert")
+    p.add_argument("--no-openai", action="store_true", help="do not serve the OpenAI-compatible /v1 routes")
+    p.add_argument("--served-model-name", help="model name of the /v1 routes (default: llm)")
+    p.add_argument("--chat-template", type=Path, help="Jinja chat template for /v1/chat/completions, instead of "
+                                                      "the checkpoint's own")
+    p.add_argument("--api-key-file", type=Path, help="require one of these keys (one per line) on every inference "
+                                                     "route; or set BATCHSTRING_API_KEYS in the environment")
     p.add_argument("--no-supervise", action="store_true", help="do not restart a dead model")
     p.add_argument("--log", type=Path, help="log file of tritonserver and the front door (default: a temporary file)")
 
@@ -43,6 +49,15 @@ def parse_params(items: list[str]) -> dict[str, str]:
     return params
 
 
+def front_door_options(args: argparse.Namespace) -> tuple[str, ...]:
+    options = ["--no-openai"] if args.no_openai else []
+    for flag, value in (("--served-model-name", args.served_model_name), ("--chat-template", args.chat_template),
+                        ("--api-key-file", args.api_key_file)):
+        if value is not None:
+            options += [flag, str(Path(value).resolve()) if isinstance(value, Path) else value]
+    return tuple(options)
+
+
 def run(args: argparse.Namespace) -> int:
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SystemExit("--tls-cert and --tls-key go together")
@@ -50,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
     server = LocalServer(config=args.config, host=args.host, repository=args.repository, tls=tls,
                          ports=Ports(args.http_port, args.grpc_port, args.metrics_port),
                          params=parse_params(args.param), log_path=args.log,
-                         max_body_bytes=args.max_body_bytes, max_message_bytes=args.max_message_bytes)
+                         max_body_bytes=args.max_body_bytes, max_message_bytes=args.max_message_bytes,
+                         front_door_options=front_door_options(args))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -80,4 +96,5 @@ def banner(server: LocalServer) -> str:
     scheme = "grpcs" if server.tls else "grpc"
     return (f"batchstring: llm ready ({server.config}, {engine['runtime']}, {engine['scheduling']}) | "
             f"{scheme} {server.grpc_url} | http {server.http_url} | metrics {server.metrics_url} | "
+            f"{'' if '--no-openai' in server.front_door_options else f'OpenAI API http://{server.http_url}/v1 | '}"
             f"log {server.log_path} | Ctrl-C to stop")

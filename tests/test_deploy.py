@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import pytest
 import yaml
 from google.protobuf import text_format
 
-from client import BatchClient
+from client import BatchClient, ItemError
 from server.local import LocalServer, ServerError, free_ports
 from server.repository import load_config
 from server.stats import batch_stats, metrics
@@ -97,7 +98,9 @@ def test_gpu_config_is_the_cpu_config_but_for_the_instance_kind():
     assert text_format.MessageToString(cpu) == text_format.MessageToString(gpu)
 
 
-def test_gpu_config_is_refused_here_because_there_is_no_gpu(model_dir):
+def test_gpu_config_is_refused_where_there_is_no_gpu(model_dir):
+    if shutil.which("nvidia-smi") and subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0:
+        pytest.skip("this host has a GPU: `make gpu-check` runs the GPU config here instead")
     with pytest.raises(ServerError) as info:
         LocalServer(config="gpu", ready_timeout=60).start()
     assert "has kind KIND_GPU but no GPUs are available" in str(info.value)
@@ -126,17 +129,33 @@ def wait_serving(client: BatchClient, proc: subprocess.Popen) -> None:
 
 
 def test_image_command_line_serves_the_model_behind_the_front_door(model_dir, tmp_path):
-    proc, http, grpc = image_command_line(model_dir, tmp_path)
+    keys = tmp_path / "api-keys"
+    keys.write_text("image-key\n")
+    proc, http, grpc = image_command_line(model_dir, tmp_path, BATCHSTRING_API_KEY_FILE=str(keys))
+    bearer = {"Authorization": "Bearer image-key"}
+
+    def post(path: str, body: bytes, headers: dict) -> dict:
+        request = urllib.request.Request(f"http://127.0.0.1:{http}{path}", data=body, headers=headers)
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return json.loads(r.read())
+
     try:
-        with BatchClient(f"127.0.0.1:{grpc}") as client:
+        with BatchClient(f"127.0.0.1:{grpc}", api_key="image-key") as client:
             wait_serving(client, proc)
             assert client.batchstring(["def image():"], max_tokens=4)[0]
+        with BatchClient(f"127.0.0.1:{grpc}", api_key="wrong") as client:
+            refused = client.batchstring(["def image():"], max_tokens=4, return_exceptions=True)[0]
+        assert isinstance(refused, ItemError) and refused.kind == "UNAUTHENTICATED" and not refused.retryable
+        assert "requires an API key" in str(refused)
         body = json.dumps({"text_input": "def image():", "max_tokens": 4, "temperature": 0}).encode()
-        with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/models/llm/generate", data=body, timeout=30) as r:
-            assert json.loads(r.read())["text_output"]
-        with pytest.raises(urllib.error.HTTPError) as too_big:
-            urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/models/llm/generate", data=b"x" * (4 << 20), timeout=30)
-        assert too_big.value.code == 413
+        assert post("/v2/models/llm/generate", body, bearer)["text_output"]
+        completion = json.dumps({"model": "llm", "prompt": "def image():", "max_tokens": 4}).encode()
+        assert post("/v1/completions", completion, bearer)["choices"][0]["finish_reason"] in ("stop", "length")
+        for path, data, headers, status in (("/v1/completions", completion, {}, 401),
+                                            ("/v2/models/llm/generate", b"x" * (4 << 20), bearer, 413)):
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                post(path, data, headers)
+            assert refused.value.code == status, path
         sockets = tmp_path / "sockets"
         assert sockets.stat().st_mode & 0o777 == 0o700, "tritonserver's sockets are private to its user"
         assert {p.name for p in sockets.iterdir()} == {"http.sock", "grpc.sock:8001", "metrics.sock"}

@@ -6,12 +6,15 @@ healthy): a result is either exactly right or an explicit error, never wrong, mi
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -103,6 +106,29 @@ def test_server_killed_and_restarted_during_load_loses_nothing(fresh_server):
     assert counts["deadline"] == 0, "recovery and retry fit well inside every item's deadline"
     assert resent > 0, "items in flight at the kill were sent again"
     assert counts["ok"] == sum(len(items) for items, _ in results), "and answered once, correctly"
+
+
+def test_a_job_over_a_file_loses_nothing_when_the_server_restarts(fresh_server, tmp_path):
+    ref = reference(fresh_server.grpc_url)
+    source, output = tmp_path / "jobs.txt", tmp_path / "out.jsonl"
+    source.write_text("".join(POOL[i % len(POOL)].replace("\n    ", " ") + "\n" for i in range(3000)))
+    job = subprocess.Popen([str(Path(sys.executable).parent / "batchstring"), "run", "--url", fresh_server.grpc_url,
+                            "--input", str(source), "--output", str(output), "--max-tokens", str(MAX_TOKENS)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    while not output.exists() or output.stat().st_size < 50_000:
+        time.sleep(0.05)
+    os.killpg(fresh_server.process.pid, signal.SIGKILL)  # the whole server, mid-job
+    fresh_server.process.wait()
+    time.sleep(1.0)
+    fresh_server.start()
+    assert job.wait(timeout=300) == 0, job.stderr.read()
+    lines = [json.loads(line) for line in output.read_text().splitlines()]
+    assert sorted(int(line["custom_id"]) for line in lines) == list(range(1, 3001)), "every line once"
+    with BatchClient(fresh_server.grpc_url) as c:
+        expected = dict(zip(ref, c.batchstring([p.replace("\n    ", " ") for p in ref], max_tokens=MAX_TOKENS)))
+    for line in lines:
+        prompt = POOL[(int(line["custom_id"]) - 1) % len(POOL)]
+        assert line["response"]["body"]["choices"][0]["text"] == expected[prompt]
 
 
 def test_stub_killed_supervisor_recovers_within_30_seconds_and_loses_nothing(fresh_server):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import subprocess
 import sys
 
@@ -19,3 +20,7 @@ def test_locust_smoke_run_has_requests_and_no_failures(server, tmp_path):
     summary = read_summary(out / "locust_stats.csv")
     assert summary.requests > 0 and summary.failures == 0
     assert (out / "report.html").stat().st_size > 0
+    with (out / "locust_stats.csv").open() as f:
+        rows = {row["Name"]: row for row in csv.DictReader(f)}
+    for kind in ("batchstring[", "openai["):  # both users ran: Triton's generate route and the OpenAI API
+        assert sum(int(r["Request Count"]) for name, r in rows.items() if name.startswith(kind)) > 0, kind

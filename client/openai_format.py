@@ -1,0 +1,83 @@
+"""OpenAI's JSON shapes for completions, usage, log-probabilities and errors.
+
+One definition for the two places that speak them: the front door's `/v1` routes and the
+`batchstring run --input` job's output lines (the OpenAI batch output format), so a line of a
+job's output and a response of the HTTP API are the same object.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from client.errors import INVALID_ARGUMENT, DeadlineExceeded, ItemError
+from client.protocol import Completion
+
+
+def error_type(status: int) -> str:
+    return {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+            413: "invalid_request_error"}.get(status, "server_error")
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error object, which its SDK turns into the matching exception class."""
+    return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
+
+
+def failure(exc: BaseException) -> tuple[int, str, str]:
+    """(HTTP status, code, message) for a failed item: 400 for what the request got wrong, 503 for
+    what is worth retrying later, 504 for a deadline, 500 for the rest."""
+    if isinstance(exc, DeadlineExceeded):
+        return 504, "timeout", str(exc)
+    if isinstance(exc, ItemError) and exc.kind == INVALID_ARGUMENT:
+        return 400, "invalid_value", str(exc).removeprefix(f"{INVALID_ARGUMENT}: ")
+    if isinstance(exc, ItemError) and exc.retryable:
+        return 503, "unavailable", f"{exc}; retry with backoff"
+    if isinstance(exc, (TypeError, ValueError)):  # text the client refuses to send (lone surrogates)
+        return 400, "invalid_value", str(exc)
+    return 500, "internal_error", str(exc)
+
+
+def head(model: str, chat: bool, chunk: bool = False) -> dict:
+    kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chunk and chat else "")
+    return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "object": kind,
+            "created": int(time.time()), "model": model}
+
+
+def choice(index: int, c: Completion, chat: bool = False, echo: str | None = None) -> dict:
+    """One choice of a completion; `echo` is the prompt, when it is returned in front of the text."""
+    lp = logprobs(c.logprobs, chat, len(echo) if echo else 0)
+    if chat:
+        return {"index": index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
+                "finish_reason": c.finish_reason}
+    return {"index": index, "text": (echo or "") + c.text, "logprobs": lp, "finish_reason": c.finish_reason}
+
+
+def completion(model: str, results: list[Completion], chat: bool = False, echo: list[str] | None = None) -> dict:
+    choices = [choice(i, c, chat, echo[i] if echo else None) for i, c in enumerate(results)]
+    return {**head(model, chat), "choices": choices, "usage": usage(results)}
+
+
+def logprobs(entries: list[dict] | None, chat: bool, offset: int = 0) -> dict | None:
+    """The engine's per-token entries in the completions shape (parallel lists, text offsets) or
+    the chat shape (a list of token objects with their bytes)."""
+    if entries is None:
+        return None
+    if chat:
+        def item(e: dict) -> dict:
+            return {"token": e["token"], "logprob": e["logprob"], "bytes": list(e["token"].encode())}
+
+        return {"content": [{**item(e), "top_logprobs": [item(t) for t in e["top_logprobs"]]} for e in entries]}
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets}
+
+
+def usage(results: list[Completion]) -> dict:
+    prompt = sum(r.prompt_tokens for r in results)
+    generated = sum(r.completion_tokens for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}

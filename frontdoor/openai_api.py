@@ -1,0 +1,262 @@
+"""OpenAI-compatible routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`.
+
+So that the tools that speak OpenAI's HTTP API (the `openai` SDK, LangChain, LiteLLM, evaluation
+harnesses, genai-perf's `openai` endpoint type) can use the server. Every prompt becomes one
+request to Triton through the batchstring client, over gRPC on Triton's private socket: Triton's
+dynamic batcher, queue policy and the engine see exactly what a `batchstring` call sends, and a
+list of prompts in one completion request *is* a `batchstring` call.
+
+What OpenAI's API has and the engine does not (n > 1, best_of, penalties, logit_bias, suffix,
+prompts as token ids) is refused with a 400 naming the field, never silently ignored; fields
+this API does not know are ignored, as OpenAI's own server does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from client import AsyncBatchClient, Completion
+from client import openai_format as fmt
+from client.protocol import Piece
+from frontdoor.chat import ChatTemplate
+
+MAX_PROMPTS = 256  # prompts in one completion request (each is one request to Triton)
+MAX_LOGPROBS = 20  # as the engine
+UNSUPPORTED = {  # field: the value it may have here
+    "n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "suffix": None, "logit_bias": None,
+    "tools": None, "tool_choice": None, "functions": None, "response_format": None,
+}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+    @classmethod
+    def of(cls, index: int, exc: BaseException, many: bool) -> ApiError:
+        """The HTTP error for a failed prompt; in a list, which prompt it was."""
+        status, code, message = fmt.failure(exc)
+        return cls(status, f"prompt[{index}]: {message}" if many else message, code=code)
+
+    def response(self) -> web.Response:
+        return error_response(self.status, str(self), self.param, self.code)
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> web.Response:
+    return web.json_response(fmt.error_body(status, message, param, code), status=status)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One completion or chat request, validated: prompts and the client's sampling options."""
+
+    prompts: list[str]
+    options: dict
+    stream: bool
+    include_usage: bool
+    echo: bool
+    chat: bool
+
+
+class OpenAIRoutes:
+    def __init__(self, client: AsyncBatchClient, model_name: str, chat: ChatTemplate | None) -> None:
+        self.client = client
+        self.model_name = model_name
+        self.chat = chat
+
+    def add_to(self, app: web.Application) -> None:
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+
+    # ----- routes ------------------------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "batchstring"}
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        try:
+            parsed = self._parse(await _json_body(request), chat)
+            if parsed.stream:
+                return await self._stream(request, parsed)
+            results = await self.client.complete(parsed.prompts, **parsed.options, return_exceptions=True)
+            return web.json_response(self._body(parsed, results))
+        except ApiError as exc:
+            return exc.response()
+        except (TypeError, ValueError) as exc:  # text the client refuses to send (lone surrogates)
+            return error_response(400, str(exc), "prompt", "invalid_value")
+
+    # ----- request -----------------------------------------------------------------------------
+
+    def _parse(self, body: dict, chat: bool) -> Request:
+        model = body.get("model")
+        if model != self.model_name:
+            raise ApiError(404, f"model {model!r} does not exist here; this server serves {self.model_name!r} "
+                                "(GET /v1/models)", "model", "model_not_found")
+        for field, allowed in UNSUPPORTED.items():
+            if body.get(field) not in (allowed, None) and not (field in ("logit_bias", "tools") and not body[field]):
+                raise ApiError(400, f"{field} is not supported by this server (allowed: {allowed!r})", field)
+        prompts = [self._chat_prompt(body.get("messages"))] if chat else _prompts(body.get("prompt"))
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) if chat else body.get("max_tokens", 16)
+        options = {"max_tokens": max_tokens, "temperature": body.get("temperature", 1.0),
+                   "top_p": body.get("top_p"), "seed": body.get("seed"), "stop": _stop(body.get("stop")),
+                   "top_k": body.get("top_k"), "min_tokens": body.get("min_tokens"),
+                   "ignore_eos": body.get("ignore_eos"), "logprobs": _logprobs(body, chat)}
+        stream = body.get("stream") or False
+        if not isinstance(stream, bool):
+            raise ApiError(400, f"stream must be true or false; got {stream!r}", "stream")
+        usage = (body.get("stream_options") or {}).get("include_usage", False)
+        echo = bool(body.get("echo", False)) and not chat
+        return Request(prompts, options, stream, bool(usage), echo, chat)
+
+    def _chat_prompt(self, messages) -> str:
+        if self.chat is None:
+            raise ApiError(400, "this model has no chat template, so it has no chat route: use /v1/completions, "
+                                "or export a checkpoint whose tokenizer config has a chat_template", "messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "messages must be a non-empty list of {role, content} objects", "messages")
+        plain = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise ApiError(400, f"messages[{i}] must be an object with a string role", "messages")
+            plain.append({"role": m["role"], "content": _content(m.get("content"), i)})
+        try:
+            return self.chat.render(plain)
+        except Exception as exc:  # the template's own raise_exception(), or a template error
+            raise ApiError(400, f"the chat template refused these messages: {exc}", "messages") from None
+
+    # ----- response ----------------------------------------------------------------------------
+
+    def _body(self, req: Request, results: list[Completion | BaseException]) -> dict:
+        failures = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
+        if failures:
+            raise ApiError.of(*failures[0], many=len(results) > 1)
+        return fmt.completion(self.model_name, results, req.chat, req.prompts if req.echo else None)
+
+    async def _stream(self, request: web.Request, req: Request) -> web.StreamResponse:
+        """Server-sent events, one per generated piece of any prompt, then usage and [DONE]."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        head = fmt.head(self.model_name, req.chat, chunk=True)
+        usage = []
+        try:
+            async for index, piece in _merged(self.client, req):
+                if isinstance(piece, BaseException):
+                    error = ApiError.of(index, piece, many=len(req.prompts) > 1)
+                    await _event(response, fmt.error_body(error.status, str(error), code=error.code))
+                    break
+                await _event(response, {**head, "choices": [self._delta(req, index, piece)]})
+                if piece.final:
+                    usage.append(Completion.join([piece]))
+            else:
+                if req.include_usage:
+                    await _event(response, {**head, "choices": [], "usage": fmt.usage(usage)})
+            await response.write(b"data: [DONE]\n\n")
+        except ConnectionResetError:  # the caller left: _merged's cancellation stops the requests
+            return response
+        await response.write_eof()
+        return response
+
+    def _delta(self, req: Request, index: int, piece: Piece) -> dict:
+        lp = fmt.logprobs(piece.logprobs, req.chat)
+        reason = piece.finish_reason or None if piece.final else None
+        if req.chat:
+            return {"index": index, "delta": {"role": "assistant", "content": piece.text}, "logprobs": lp,
+                    "finish_reason": reason}
+        return {"index": index, "text": piece.text, "logprobs": lp, "finish_reason": reason}
+
+
+async def _merged(client: AsyncBatchClient, req: Request) -> AsyncIterator[tuple[int, Piece | BaseException]]:
+    """Every prompt's pieces as they come, tagged with its index; an error ends that prompt."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, prompt: str) -> None:
+        try:
+            if req.echo:
+                await queue.put((index, Piece("", text=prompt)))
+            async for piece in client.stream_pieces(prompt, **req.options):
+                await queue.put((index, piece))
+        except Exception as exc:  # reported to the caller as an error event
+            await queue.put((index, exc))
+        finally:
+            await queue.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(req.prompts)]
+    open_ = len(tasks)
+    try:
+        while open_:
+            index, item = await queue.get()
+            if item is None:
+                open_ -= 1
+            else:
+                yield index, item
+    finally:
+        for task in tasks:  # the caller left or an error ended the stream: stop the rest
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _event(response: web.StreamResponse, data: dict) -> None:
+    await response.write(b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n")
+
+
+async def _json_body(request: web.Request) -> dict:
+    try:
+        body = json.loads(await request.read())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object; got {type(body).__name__}")
+    return body
+
+
+def _prompts(prompt) -> list[str]:
+    prompts = [prompt] if isinstance(prompt, str) else prompt
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
+        raise ApiError(400, "prompt must be a string or a non-empty list of strings (prompts as token ids "
+                            "are not supported: send text)", "prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise ApiError(400, f"prompt is a list of {len(prompts)} strings; at most {MAX_PROMPTS} per request "
+                            "(send several requests, or use `batchstring run --input` for files)", "prompt")
+    return prompts
+
+
+def _stop(stop) -> list[str] | None:
+    if stop is None or isinstance(stop, str):
+        return None if stop is None else [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return stop
+    raise ApiError(400, "stop must be a string or a list of strings", "stop")
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """Completions: `logprobs` is the top-n count. Chat: `logprobs` is a flag, `top_logprobs` the count."""
+    value = body.get("top_logprobs", 0) if chat and body.get("logprobs") else None if chat else body.get("logprobs")
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS:
+        raise ApiError(400, f"{'top_logprobs' if chat else 'logprobs'} must be an integer in [0, {MAX_LOGPROBS}]; "
+                            f"got {value!r}", "top_logprobs" if chat else "logprobs")
+    return value
+
+
+def _content(content, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts (this model reads "
+                        "text only)", "messages")

@@ -28,6 +28,8 @@ COMMANDS = {
                  "Locust, headless and bounded, against the local server (started if needed)"),
     "genai-perf": ("loadtest.genai_perf", "add_arguments", "run",
                    "NVIDIA genai-perf against the local server, compared with our client"),
+    "job-bench": ("loadtest.job_bench", "add_arguments", "run",
+                  "memory of `batchstring run --input` over files of growing length"),
     "soak": ("loadtest.soak", "add_arguments", "run",
              "minutes of load with model kills and injected OOM; audits every item"),
     "engine-bench": ("loadtest.engine_bench", "add_arguments", "run",

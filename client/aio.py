@@ -198,9 +198,11 @@ class AsyncBatchClient:
                     pieces = stream.request(self._request(text, options, stream=True, deadline=deadline))
                     while True:
                         # A deadline per piece, not a timeout around the yields: those would cancel
-                        # whatever the consumer awaits between two pieces.
+                        # whatever the consumer awaits between two pieces. Not wait_for: on Python
+                        # 3.11 it drops a cancellation that arrives as a piece does.
                         try:
-                            piece = await asyncio.wait_for(anext(pieces), deadline - loop.time())
+                            async with asyncio.timeout_at(deadline):
+                                piece = await anext(pieces)
                         except StopAsyncIteration:
                             break
                         _raise_for(piece)

@@ -18,6 +18,7 @@ from tests import raw
 from tests.raw import EXCLUDE_INPUT, Tensor, params, text
 
 OK = None  # a completion is the correct outcome
+DEFAULT_PARAMS = '{"max_tokens": 8, "temperature": 0}'  # for cases that send no sampling_parameters
 
 # (case, tensors, expected: None for a completion, else substrings the error must contain)
 CASES = [
@@ -65,7 +66,7 @@ CASES = [
     ("10 kB sampling_parameters", [text("x"), params(json.dumps({"stop": ["s" * 100] * 100}))],
      ["INVALID_ARG", "at most 8192 bytes"]),
     ("logprobs beyond 20", [text("x"), params('{"logprobs": 50}')], ["logprobs", "[0, 20]"]),
-    ("logprobs asked for", [text("def "), params('{"logprobs": 3, "max_tokens": 4}')], OK),
+    ("logprobs asked for", [text("def "), params('{"logprobs": 3, "max_tokens": 4, "temperature": 0}')], OK),
 ]
 
 
@@ -74,7 +75,7 @@ def run_corpus(url: str, good_prompts: list[str]) -> tuple[list, list]:
     def short(tensors: list[Tensor]) -> list[Tensor]:
         """Adds the inputs every case shares, unless the case sets them itself."""
         present = {t.name for t in tensors}
-        extra = [t for t in (EXCLUDE_INPUT, params('{"max_tokens": 8}')) if t.name not in present]
+        extra = [t for t in (EXCLUDE_INPUT, params(DEFAULT_PARAMS)) if t.name not in present]
         return [*tensors, *extra]
 
     bad = [raw.request(f"bad-{i}", *short(tensors)) for i, (_, tensors, _) in enumerate(CASES)]
@@ -106,6 +107,26 @@ def test_each_bad_input_gets_a_completion_or_a_clear_error(outcomes, index):
         assert error is not None, f"{name}: expected an error, got completion {completion!r}"
         for fragment in expected:
             assert fragment in error, f"{name}: {fragment!r} not in {error!r}"
+
+
+def test_inputs_that_should_succeed_get_the_in_process_engines_completion(outcomes, model_dir):
+    """The right completion, not only no error: the engine alone on the same text and parameters."""
+    from engine.sampling import parse_sampling_parameters
+    from tests.engine_helpers import engine
+
+    eng = engine(model_dir)
+    checked = 0
+    for (name, tensors, expected), (_, completion) in zip(CASES, outcomes[0]):
+        if expected is not OK:
+            continue
+        found = {t.name: t.value for t in tensors}
+        sampling = parse_sampling_parameters(found.get("sampling_parameters", DEFAULT_PARAMS.encode()).decode(),
+                                             eng.max_len, 16)
+        seq = eng.make_sequence(found["text_input"].decode(), sampling, lambda o: None)
+        eng.generate([seq])
+        assert completion == eng.codec.decode(seq.output_ids), name
+        checked += 1
+    assert checked >= 6
 
 
 def test_good_requests_sent_alongside_are_unaffected(outcomes):

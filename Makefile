@@ -7,7 +7,7 @@ VERSION_DIR := model_repository/llm/1
 EXPORTED := $(VERSION_DIR)/runtime.json
 MODEL_SOURCES := $(wildcard export/default_model/*) $(wildcard export/*.py)
 
-.PHONY: install export test demo serve lint loadtest bench genai-perf clean
+.PHONY: install export test demo serve lint loadtest bench genai-perf gpu-check clean
 
 install: $(INSTALLED)
 
@@ -38,6 +38,10 @@ loadtest: $(EXPORTED)
 
 bench: $(EXPORTED)
 	$(BIN)/batchstring bench
+
+# On a machine with an NVIDIA GPU: the acceptance run (report in results/gpu-check/report.md).
+gpu-check: $(EXPORTED)
+	$(BIN)/batchstring gpu-check
 
 genai-perf: $(EXPORTED)
 	$(BIN)/batchstring genai-perf

@@ -28,6 +28,8 @@ COMMANDS = {
                  "Locust, headless and bounded, against the local server (started if needed)"),
     "genai-perf": ("loadtest.genai_perf", "add_arguments", "run",
                    "NVIDIA genai-perf against the local server, compared with our client"),
+    "gpu-check": ("cli.gpu_check", "add_arguments", "run",
+                  "the GPU acceptance run: export float16, numerics on the device, host time, serving"),
     "job-bench": ("loadtest.job_bench", "add_arguments", "run",
                   "memory of `batchstring run --input` over files of growing length"),
     "soak": ("loadtest.soak", "add_arguments", "run",

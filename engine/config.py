@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 RUNTIMES = ("onnxruntime", "torchscript")
+AUTO = 0  # kv_cache_tokens: sized from the free memory (engine/memory.py)
 SCHEDULING = ("continuous", "static")
 
 
@@ -18,7 +19,8 @@ class EngineConfig:
     scheduling: str = "continuous"
     max_num_seqs: int = 64  # sequences resident in one step
     max_waiting_seqs: int = 64  # accepted, not yet admitted; beyond it requests wait in Triton's queue
-    kv_cache_tokens: int = 32768  # cache budget; x runtime bytes_per_token = memory
+    kv_cache_tokens: int = 32768  # cache budget (x runtime bytes_per_token = memory); 0 or "auto": sized from memory
+    kv_cache_memory_fraction: float = 0.9  # with kv_cache_tokens auto: share of the free memory for weights + cache
     block_size: int = 16  # tokens per KV-cache block
     max_num_batched_tokens: int = 512  # tokens in one step: decode rows plus prefill chunks (bounds its latency)
     long_prefill_token_threshold: int = 128  # a longer prompt gets at most this many tokens per step (0 = no cap)
@@ -36,8 +38,12 @@ class EngineConfig:
             raise ValueError(f"parameter runtime must be one of {RUNTIMES}; got {self.runtime!r}")
         if self.scheduling not in SCHEDULING:
             raise ValueError(f"parameter scheduling must be one of {SCHEDULING}; got {self.scheduling!r}")
-        positive = ("max_num_seqs", "max_waiting_seqs", "kv_cache_tokens", "block_size", "max_num_batched_tokens",
+        positive = ("max_num_seqs", "max_waiting_seqs", "block_size", "max_num_batched_tokens",
                     "max_input_bytes", "default_max_tokens")
+        if self.kv_cache_tokens < 0 or not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError("parameter kv_cache_tokens must be a positive number of tokens or auto, and "
+                             f"kv_cache_memory_fraction in (0, 1]; got {self.kv_cache_tokens}, "
+                             f"{self.kv_cache_memory_fraction}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("parameter long_prefill_token_threshold must be >= 0 (0: no cap); "
                              f"got {self.long_prefill_token_threshold}")
@@ -60,6 +66,9 @@ class EngineConfig:
         converters = {"int": int, "float": float, "str": str, "Path": Path, "bool": _bool}
         values = {}
         for name, raw in params.items():
+            if name == "kv_cache_tokens" and raw.strip().lower() == "auto":
+                values[name] = AUTO
+                continue
             try:
                 values[name] = converters[types[name]](raw)
             except ValueError:

@@ -28,6 +28,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.errors import InvalidRequest, is_out_of_memory
 from engine.faults import FaultInjector
+from engine.memory import auto_cache_tokens, free_bytes, weight_bytes
 from engine.output import OutputSink, OutputStream, TokenLogprob
 from engine.policy import policy_for
 from engine.runner import PagedCacheRunner, RuntimeSpec, StepOutput, build_runner
@@ -60,7 +61,7 @@ class Engine:
         model_dir = Path(config.model_dir)
         self.spec = RuntimeSpec.load(model_dir / "runtime.json")
         self.codec = TextCodec.from_file(model_dir / "tokenizer.json", self.spec.vocab_size)
-        num_blocks = -(-config.kv_cache_tokens // config.block_size)
+        num_blocks = -(-(config.kv_cache_tokens or self._auto_cache_tokens(model_dir)) // config.block_size)
         self.max_len = min(self.spec.context_length, num_blocks * config.block_size)
         self.blocks = BlockManager(num_blocks, config.block_size, config.max_num_seqs, self.max_len,
                                    config.enable_prefix_caching)
@@ -79,6 +80,12 @@ class Engine:
         self._ids = itertools.count()
         self.faults = FaultInjector(config.fault_marker)
         self._step_started: float | None = None  # set while a step runs: the watchdog reads it
+
+    def _auto_cache_tokens(self, model_dir: Path) -> int:
+        free, source = free_bytes(self.config.device)
+        return auto_cache_tokens(free, self.config.kv_cache_memory_fraction,
+                                 weight_bytes(model_dir, self.config.runtime), self.spec.bytes_per_token,
+                                 self.config.block_size, self.spec.context_length, source)
 
     # ----- requests in -------------------------------------------------------------------------
 

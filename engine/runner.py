@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +35,7 @@ class RuntimeSpec:
     eos_token_ids: tuple[int, ...]
     inputs: tuple[str, ...]
     dtype: str = "float32"
+    sampling_defaults: dict = field(default_factory=dict)  # the checkpoint's generation_config defaults
 
     @classmethod
     def load(cls, path: Path) -> RuntimeSpec:
@@ -42,7 +43,8 @@ class RuntimeSpec:
         if "next_tokens" not in raw.get("outputs", []):
             raise RuntimeError(f"{path.parent} holds a step exported by an older batchstring; run `batchstring export`")
         return cls(raw["num_layers"], raw["num_kv_heads"], raw["head_dim"], raw["vocab_size"], raw["context_length"],
-                   tuple(raw["eos_token_ids"]), tuple(raw["inputs"]), raw.get("dtype", "float32"))
+                   tuple(raw["eos_token_ids"]), tuple(raw["inputs"]), raw.get("dtype", "float32"),
+                   raw.get("sampling_defaults", {}))
 
     @property
     def bytes_per_token(self) -> int:

@@ -113,12 +113,13 @@ def _as_stop(value: object) -> tuple[str, ...]:
 
 
 def parse_sampling_parameters(raw: str | None, context_length: int, default_max_tokens: int,
-                              request_parameters: dict | None = None) -> SamplingParams:
+                              request_parameters: dict | None = None, defaults: dict | None = None) -> SamplingParams:
     """Validates the JSON object; every error names the field and the allowed values.
 
     `request_parameters` are Triton request parameters (what the generate endpoint makes of extra
     JSON keys, as in `{"text_input": "def ", "max_tokens": 16}`); known sampling keys among them
     apply as the vLLM backend applies them, the others (Triton's own) are not ours to judge.
+    `defaults` are the checkpoint's own (its generation_config), for the keys a request leaves out.
     """
     obj: object = {}
     if raw is not None and raw.strip():
@@ -131,7 +132,7 @@ def parse_sampling_parameters(raw: str | None, context_length: int, default_max_
         raise InvalidRequest(
             f"unknown sampling_parameters key(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(_PARSERS)}"
         )
-    values = {"max_tokens": default_max_tokens}
+    values = {"max_tokens": default_max_tokens, **(defaults or {})}
     for key, value in obj.items():
         values[key] = _PARSERS[key](key, value, context_length)
     params = SamplingParams(**values)

@@ -97,7 +97,8 @@ def write_torchscript(step: DecoderStep, path: Path) -> None:
         torch.jit.save(traced, str(path))
 
 
-def runtime_spec(step: DecoderStep, hf_config, tokenizer_eos: list[int], source: str) -> dict:
+def runtime_spec(step: DecoderStep, hf_config, tokenizer_eos: list[int], source: str,
+                 sampling_defaults: dict | None = None) -> dict:
     """What the engine needs to size its cache and stop generation, without loading torch."""
     return {
         "source": source,
@@ -110,7 +111,8 @@ def runtime_spec(step: DecoderStep, hf_config, tokenizer_eos: list[int], source:
         "checkpoint_vocab_size": int(step.lm_head.out_features),
         "context_length": int(hf_config.max_position_embeddings),
         "eos_token_ids": tokenizer_eos,
-        "dtype": "float32",
+        "dtype": str(step.dtype).removeprefix("torch."),  # weights and KV cache
+        "sampling_defaults": sampling_defaults or {},  # the checkpoint's generation_config
         "inputs": list(INPUT_NAMES),
         "outputs": list(OUTPUT_NAMES),
     }

@@ -10,6 +10,8 @@ from pathlib import Path
 def add_export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, help="local HF checkpoint directory (default: the shipped model)")
     p.add_argument("--out", type=Path, help="output directory (default: model_repository/llm/1)")
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"),
+                   help="weights and KV cache (default: float16 where a GPU is visible, else float32)")
 
 
 def run_export(args: argparse.Namespace) -> int:
@@ -19,7 +21,7 @@ def run_export(args: argparse.Namespace) -> int:
     from export.verify import VerificationError
 
     try:
-        export_model(args.model, args.out or MODEL_VERSION_DIR)
+        export_model(args.model, args.out or MODEL_VERSION_DIR, dtype=args.dtype)
     except (UnsupportedModel, VerificationError) as exc:
         print(f"batchstring export: {exc}", file=sys.stderr)
         return 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 import time
@@ -30,7 +31,16 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json")
 
 
-def load_checkpoint(path: Path):
+DTYPES = ("float32", "float16", "bfloat16")
+CACHES = ("key_cache", "value_cache")
+
+
+def default_dtype() -> str:
+    """16-bit where the export runs beside a GPU (as every peer serves), float32 on a CPU."""
+    return "float16" if torch.cuda.is_available() else "float32"
+
+
+def load_checkpoint(path: Path, dtype: str = "float32"):
     """Config first, so an unsupported architecture is refused before any weights are read."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -42,84 +52,188 @@ def load_checkpoint(path: Path):
             "AutoTokenizer.from_pretrained(...).save_pretrained(path) writes one"
         )
     check_supported(AutoConfig.from_pretrained(path))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation="eager",
+                                                 low_cpu_mem_usage=True)  # weights streamed, not copied
     return model.eval()
 
 
-def eos_ids(hf_config) -> list[int]:
-    eos = hf_config.eos_token_id
-    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+def eos_ids(hf_model) -> list[int]:
+    """Every end-of-sequence id the checkpoint names: its config's and its generation_config's
+    (Llama 3 lists three there; its config names one)."""
+    found: list[int] = []
+    for eos in (hf_model.config.eos_token_id, getattr(hf_model.generation_config, "eos_token_id", None)):
+        for i in [] if eos is None else [eos] if isinstance(eos, int) else eos:
+            if i not in found:
+                found.append(int(i))
+    return found
+
+
+def sampling_defaults(hf_model) -> dict:
+    """The checkpoint's own sampling defaults (generation_config), for requests that leave them out."""
+    gen = getattr(hf_model, "generation_config", None)
+    if gen is None or not getattr(gen, "do_sample", False):
+        return {}
+    values = {"temperature": gen.temperature, "top_p": gen.top_p, "top_k": gen.top_k}
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def _torch_in(feeds: dict, dtype: torch.dtype) -> list[torch.Tensor]:
+    return [torch.from_numpy(feeds[n]).to(dtype) if n in CACHES else torch.from_numpy(feeds[n])
+            for n in artifacts.INPUT_NAMES]
+
+
+def _numpy_out(outputs) -> tuple:
+    return tuple((t.float() if t.is_floating_point() else t).numpy() for t in outputs)
 
 
 def _eager(step: DecoderStep) -> StepFn:
     def run(**feeds):
         with torch.no_grad():
-            return tuple(t.numpy() for t in step(*(torch.from_numpy(feeds[n]) for n in artifacts.INPUT_NAMES)))
+            return _numpy_out(step(*_torch_in(feeds, step.dtype)))
 
     return run
 
 
-def _onnx(path: Path) -> StepFn:
+def _onnx(path: Path, dtype: str) -> StepFn:
     import onnxruntime as ort
 
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    return lambda **feeds: tuple(session.run(None, feeds))
+
+    def run(**feeds):
+        cast = {n: feeds[n].astype(dtype) if n in CACHES else feeds[n] for n in feeds}
+        return tuple(o.astype("float32") if o.dtype.kind == "f" else o for o in session.run(None, cast))
+
+    return run
 
 
-def _torchscript(path: Path) -> StepFn:
+def _torchscript(path: Path, dtype: torch.dtype) -> StepFn:
     with artifacts.quiet():
         module = torch.jit.load(str(path))
 
     def run(**feeds):
         with torch.no_grad():
-            return tuple(t.numpy() for t in module(*(torch.from_numpy(feeds[n]) for n in artifacts.INPUT_NAMES)))
+            return _numpy_out(module(*_torch_in(feeds, dtype)))
 
     return run
 
 
+def _verified_runtimes(step: DecoderStep, scratch: Path, dtype: str, console: Console) -> dict[str, StepFn]:
+    """What runs here, in `dtype`: the eager step and TorchScript always; ONNX Runtime's CPU
+    provider where it has the kernels (float32, float16). A bfloat16 ONNX graph is checked
+    structurally here and numerically by `make gpu-check`."""
+    runtimes = {"eager step": _eager(step), "torchscript": _torchscript(scratch / "model.pt", step.dtype)}
+    try:
+        if dtype == "bfloat16":
+            raise NotImplementedError("no bfloat16 kernels in onnxruntime's CPU provider")
+        onnx_run = _onnx(scratch / "model.onnx", dtype)
+        example = {n: t.float().numpy() if t.is_floating_point() else t.numpy()
+                   for n, t in zip(artifacts.INPUT_NAMES, artifacts.example_inputs(step))}
+        onnx_run(**example)  # kernels missing for this dtype show up here, not mid-verification
+        runtimes["onnxruntime"] = onnx_run
+    except Exception as exc:  # any refusal to load or run: say so, and check the graph instead
+        check_onnx_structure(scratch / "model.onnx", dtype)
+        console.print(f"[yellow]onnxruntime (CPU) cannot run the {dtype} graph here ({str(exc)[:200]}); its "
+                      f"structure was checked (onnx.checker; weights and cache in {dtype}); `make gpu-check` "
+                      "runs it on a GPU[/]")
+    return runtimes
+
+
+def check_onnx_structure(path: Path, dtype: str) -> None:
+    import onnx
+
+    onnx.checker.check_model(str(path))  # by path: works with external data
+    model = onnx.load(str(path), load_external_data=False)
+    want = {"float32": onnx.TensorProto.FLOAT, "float16": onnx.TensorProto.FLOAT16,
+            "bfloat16": onnx.TensorProto.BFLOAT16}[dtype]
+    caches = [i for i in model.graph.input if i.name in CACHES]
+    floating = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
+    weights = [t for t in model.graph.initializer if len(t.dims) >= 2 and t.data_type in floating]
+    wrong = [i.name for i in caches if i.type.tensor_type.elem_type != want]
+    wrong += [t.name for t in weights if t.data_type != want]
+    if wrong or len(caches) != 2:
+        raise VerificationError(f"the ONNX graph is not {dtype} throughout: {', '.join(wrong[:5])}")
+
+
+class Stages:
+    """One progress line per stage (load, trace, save, verify): elapsed time and the process's
+    peak memory so far, printed when each ends, so a non-TTY log shows progress too."""
+
+    def __init__(self, console: Console, total: int) -> None:
+        self.console, self.total, self.done = console, total, 0
+        self.peaks: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def stage(self, name: str):
+        began = time.monotonic()
+        with self.console.status(f"[{self.done + 1}/{self.total}] {name}..."):
+            yield
+        self.done += 1
+        peak = peak_rss_gib()
+        self.peaks[name] = peak
+        self.console.print(f"[{self.done}/{self.total}] {name}: {time.monotonic() - began:.1f} s, "
+                           f"peak memory {peak:.2f} GiB")
+
+
+def peak_rss_gib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
 def export_model(
-    source: Path | None = None, out_dir: Path = MODEL_VERSION_DIR, console: Console | None = None
+    source: Path | None = None, out_dir: Path = MODEL_VERSION_DIR, console: Console | None = None,
+    dtype: str | None = None,
 ) -> ExportResult:
     """Exports, verifies in a scratch directory, and only then replaces the served files."""
     console = console or Console()
+    dtype = dtype or default_dtype()
+    if dtype not in DTYPES:
+        raise SystemExit(f"--dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
     source = Path(source or DEFAULT_MODEL_DIR).resolve()
     started = time.monotonic()
-    hf_model = load_checkpoint(source)
-    codec = TextCodec.from_file(source / "tokenizer.json")
-    eos = eos_ids(hf_model.config)
-    step = DecoderStep(hf_model, eos, *codec.known_ids()).eval()
+    stages = Stages(console, 5)
+    with stages.stage(f"load {source.name} in {dtype}"):
+        hf_model = load_checkpoint(source, dtype)
+        codec = TextCodec.from_file(source / "tokenizer.json")
+        eos = eos_ids(hf_model)
+        step = DecoderStep(hf_model, eos, *codec.known_ids()).eval()
     with tempfile.TemporaryDirectory(prefix="batchstring-export-") as tmp:
         scratch = Path(tmp)
-        with console.status("exporting ONNX (torch.export)..."):
+        with stages.stage("trace and save ONNX (torch.export)"):
             artifacts.write_onnx(step, scratch / "model.onnx")
-        with console.status("exporting TorchScript (trace)..."):
+        with stages.stage("trace and save TorchScript"):
             artifacts.write_torchscript(step, scratch / "model.pt")
         for name in TOKENIZER_FILES:  # the chat template and special tokens travel with the model
             if (source / name).is_file():
                 shutil.copyfile(source / name, scratch / name)
-        spec = artifacts.runtime_spec(step, hf_model.config, eos, source.name)
+        spec = artifacts.runtime_spec(step, hf_model.config, eos, source.name, sampling_defaults(hf_model))
         artifacts.write_runtime_spec(spec, scratch / "runtime.json")
-
-        runtimes = {"eager step": _eager(step), "onnxruntime": _onnx(scratch / "model.onnx"),
-                    "torchscript": _torchscript(scratch / "model.pt")}
-        with console.status("verifying against the Hugging Face forward..."):
-            cases = verify_logits(hf_model, runtimes, eos)
+        with stages.stage("load the runtimes"):
+            runtimes = _verified_runtimes(step, scratch, dtype, console)
+        with stages.stage(f"verify against the Hugging Face forward in {dtype}"):
+            cases = verify_logits(hf_model, runtimes, eos, relative=dtype != "float32")
             greedy = verify_greedy(hf_model, codec.encode, eos, runtimes)
-        max_diff = report(console, cases, greedy)
+        max_diff = report(console, cases, greedy, dtype)
         out_dir.mkdir(parents=True, exist_ok=True)
         for produced in scratch.iterdir():  # includes ONNX external data, when there is any
             shutil.move(produced, out_dir / produced.name)
     seconds = time.monotonic() - started
-    console.print(f"[green]exported and verified[/] {source.name} -> {out_dir} in {seconds:.1f} s")
+    console.print(f"[green]exported and verified[/] {source.name} ({dtype}) -> {out_dir} in {seconds:.1f} s, "
+                  f"peak memory {max(stages.peaks.values()):.2f} GiB")
     return ExportResult(out_dir, seconds, max_diff)
 
 
 def report(console: Console, cases, greedy: dict[str, dict[str, bool]], dtype: str = "float32") -> dict[str, float]:
-    """Prints the verification tables; raises VerificationError past the tolerance."""
+    """Prints the verification tables; raises VerificationError past the tolerance.
+
+    In float32 every greedy token and sampled id must agree. In 16 bits the reference itself
+    rounds differently from any other kernel order, so agreement is measured and reported, and
+    only the numeric tolerance (stated per dtype) can fail the export."""
     tolerance = TOLERANCE[dtype]
     names = list(cases[0].max_diff)
-    table = Table(title=f"max |Δ| vs Hugging Face eager forward (logits and new K/V; {dtype} limit {tolerance:g}); "
-                        "sampled ids = reference sampler (equal/rows, near-ties)")
+    measure = "max |Δ|" if dtype == "float32" else "max |Δ|/max(1,|ref|)"
+    table = Table(title=f"{measure} vs Hugging Face eager forward in {dtype} (logits and new K/V; limit "
+                        f"{tolerance:g}); sampled ids = reference sampler (equal/rows, near-ties)")
     for col in ("rows", "past", *names, *(f"{n} ids" for n in names)):
         table.add_column(col, justify="right")
     for c in cases:
@@ -136,11 +250,15 @@ def report(console: Console, cases, greedy: dict[str, dict[str, bool]], dtype: s
     console.print(g)
     max_diff = {n: max(c.max_diff[n] for c in cases) for n in names}
     bad = [f"{n}: max |Δ| {d:.2e}" for n, d in max_diff.items() if not d <= tolerance]  # NaN fails too
-    bad += [f"greedy mismatch for {p!r} in {', '.join(n for n, v in ok.items() if not v)}"
-            for p, ok in greedy.items() if not all(ok.values())]
+    exact = dtype == "float32"
     for name in names:
+        same = sum(ok[name] for ok in greedy.values())
         checked, equal, ties = (sum(c.sampled[name][i] for c in cases) for i in range(3))
-        if equal + ties < checked:
+        console.print(f"{name}: greedy identical for {same}/{len(greedy)} prompts; sampled ids equal for "
+                      f"{equal}/{checked} rows ({ties} near-ties)")
+        if exact and same < len(greedy):
+            bad.append(f"{name}: greedy mismatch for {len(greedy) - same} of {len(greedy)} prompts")
+        if exact and equal + ties < checked:
             bad.append(f"{name}: {checked - equal - ties} of {checked} sampled ids differ from the reference sampler")
     if bad:
         raise VerificationError(

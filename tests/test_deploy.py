@@ -90,12 +90,26 @@ def test_kubernetes_pods_are_locked_down_and_can_be_drained():
     assert drainable and hpa["minReplicas"] >= 2, "a node drain must be able to evict a pod while one keeps serving"
 
 
-def test_gpu_config_is_the_cpu_config_but_for_the_instance_kind():
+def test_gpu_config_is_the_cpu_config_but_for_the_instance_kind_and_a_memory_sized_cache():
     gpu, cpu = load_config(), load_config(config_name="cpu")
     assert [g.kind for g in gpu.instance_group] == [gpu.instance_group[0].KIND_GPU]
+    assert gpu.parameters["kv_cache_tokens"].string_value == "auto"
+    assert cpu.parameters["kv_cache_tokens"].string_value == "32768"
     for group in cpu.instance_group:
         group.kind = group.KIND_GPU
+    cpu.parameters["kv_cache_tokens"].string_value = "auto"
     assert text_format.MessageToString(cpu) == text_format.MessageToString(gpu)
+
+
+def test_gpu_check_dry_run_checks_the_plan_and_the_real_run_needs_a_gpu(model_dir):
+    dry = subprocess.run([sys.executable, "-m", "cli", "gpu-check", "--dry-run"], capture_output=True, text=True,
+                         timeout=120)
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    for step in ("environment", "export float16", "numerics on the device", "host time", "serving"):
+        assert step in dry.stdout
+    if not (shutil.which("nvidia-smi") and subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0):
+        real = subprocess.run([sys.executable, "-m", "cli", "gpu-check"], capture_output=True, text=True, timeout=120)
+        assert real.returncode == 2 and "no GPU visible" in real.stderr
 
 
 def test_gpu_config_is_refused_where_there_is_no_gpu(model_dir):

@@ -41,8 +41,12 @@ def exported_tiny(tiny_checkpoint, tmp_path_factory):
 
 def test_export_writes_the_repository_files_and_prints_the_table(exported_tiny):
     out, stdout = exported_tiny
-    assert {p.name for p in out.iterdir()} == {"model.onnx", "model.pt", "tokenizer.json", "runtime.json"}
+    assert {"model.onnx", "model.pt", "tokenizer.json", "tokenizer_config.json", "runtime.json"} <= \
+        {p.name for p in out.iterdir()}
     spec = json.loads((out / "runtime.json").read_text())
+    assert spec["dtype"] == "float32" and spec["sampling_defaults"] == {}
+    for stage in ("[1/5] load", "[2/5] trace and save ONNX", "[3/5] trace and save TorchScript", "[5/5] verify"):
+        assert stage in stdout and "peak memory" in stdout, stage
     assert (spec["num_layers"], spec["num_kv_heads"], spec["head_dim"], spec["context_length"]) == (2, 2, 16, 256)
     assert "max |Δ|" in stdout and "greedy 32 tokens" in stdout and "exported and verified" in stdout
 
@@ -120,3 +124,46 @@ class _NullConsole:
 
     def status(self, *args, **kwargs):
         raise AssertionError("not used")
+
+
+def test_a_bfloat16_export_records_its_dtype_the_checkpoints_eos_ids_and_sampling_defaults(tiny_checkpoint,
+                                                                                           tmp_path):
+    import shutil
+
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.sampling import SamplingParams
+
+    source = tmp_path / "llama3-style"
+    shutil.copytree(tiny_checkpoint, source)
+    (source / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [0, 5, 7], "bos_token_id": 0, "do_sample": True, "temperature": 0.6, "top_p": 0.9}))
+    out = tmp_path / "export"
+    result = subprocess.run([sys.executable, "-m", "cli", "export", "--model", str(source), "--out", str(out),
+                             "--dtype", "bfloat16"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    spec = json.loads((out / "runtime.json").read_text())
+    assert spec["dtype"] == "bfloat16" and spec["eos_token_ids"] == [0, 5, 7]
+    assert spec["sampling_defaults"]["temperature"] == 0.6 and spec["sampling_defaults"]["top_p"] == 0.9
+    text = " ".join(result.stdout.split())
+    assert "in bfloat16" in text and "limit 0.05" in text and "greedy identical for" in text
+    assert "structure was checked" in text, "ONNX Runtime's CPU provider has no bfloat16 kernels: checked structurally"
+    engine = Engine(EngineConfig(model_dir=out, runtime="torchscript", kv_cache_tokens=1024))
+    assert engine.runner.keys.dtype == torch.bfloat16, "the KV cache is in the export's dtype"
+    seq = engine.make_sequence("def f(x):", SamplingParams(max_tokens=12, temperature=0), lambda o: None)
+    engine.generate([seq])
+    assert 0 < len(seq.output_ids) <= 12 and not set(seq.output_ids[:-1]) & {0, 5, 7}, "any EOS id ends it"
+
+
+def test_kv_cache_auto_takes_whole_blocks_of_the_free_memory_and_refuses_less_than_one_context():
+    from engine.config import AUTO, EngineConfig
+    from engine.memory import auto_cache_tokens
+
+    assert EngineConfig.from_parameters({"kv_cache_tokens": "auto"}, model_dir=".").kv_cache_tokens == AUTO
+    gib = 2**30
+    tokens = auto_cache_tokens(10 * gib, 0.5, 1 * gib, 4096, 16, 512, "test memory")
+    assert tokens == (4 * gib // 4096) // 16 * 16
+    with pytest.raises(ValueError, match=r"less than one full context \(8192 tokens\).*kv_cache_memory_fraction"):
+        auto_cache_tokens(2 * gib, 0.9, 1 * gib, 131072, 16, 8192, "cuda:0 free memory")
+    with pytest.raises(ValueError, match="kv_cache_memory_fraction"):
+        EngineConfig(model_dir=".", kv_cache_memory_fraction=1.5)

@@ -146,3 +146,14 @@ def test_top_k_and_top_p_restrict_the_support_and_temperature_follows_the_distri
     rows = [Sampling(1.0, uniform=float(u)) for u in uniform]
     counts = np.bincount(head_run(logits, rows), minlength=V)[:4] / 4000
     assert np.abs(counts - probs[:4]).max() < 0.01
+
+
+def test_the_checkpoints_sampling_defaults_apply_only_to_what_a_request_leaves_out():
+    from engine.sampling import parse_sampling_parameters
+
+    defaults = {"temperature": 0.6, "top_p": 0.9, "top_k": 50}
+    left_out = parse_sampling_parameters('{"max_tokens": 4}', 512, 16, defaults=defaults)
+    assert (left_out.temperature, left_out.top_p, left_out.top_k) == (0.6, 0.9, 50)
+    given = parse_sampling_parameters('{"temperature": 0, "top_k": -1}', 512, 16, defaults=defaults)
+    assert (given.temperature, given.top_p, given.top_k, given.max_tokens) == (0.0, 0.9, -1, 16)
+    assert parse_sampling_parameters(None, 512, 16).temperature == 1.0, "no defaults: vLLM's"

@@ -106,7 +106,7 @@ class TritonPythonModel:
         cfg = self.engine.config
         request_parameters = json.loads(request.parameters() or "{}")
         params = parse_sampling_parameters(params_text, self.engine.spec.context_length, cfg.default_max_tokens,
-                                           request_parameters)
+                                           request_parameters, self.engine.spec.sampling_defaults)
         stream = bool(_scalar(request, "stream") or False)
         include_input = not bool(_scalar(request, "exclude_input_in_output") or False)
         # Microseconds the caller will wait (our client sends them): the engine drops the work after.

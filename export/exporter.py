@@ -17,7 +17,7 @@ from engine.tokenizer import TextCodec
 from export import artifacts
 from export.layout import DEFAULT_MODEL_DIR, MODEL_VERSION_DIR
 from export.step import DecoderStep, check_supported
-from export.verify import TOLERANCE, StepFn, VerificationError, verify_greedy, verify_logits
+from export.verify import HF_16BIT, TOLERANCE, StepFn, VerificationError, verify_greedy, verify_logits
 
 
 @dataclass
@@ -210,9 +210,14 @@ def export_model(
         artifacts.write_runtime_spec(spec, scratch / "runtime.json")
         with stages.stage("load the runtimes"):
             runtimes = _verified_runtimes(step, scratch, dtype, console)
-        with stages.stage(f"verify against the Hugging Face forward in {dtype}"):
-            cases = verify_logits(hf_model, runtimes, eos, relative=dtype != "float32")
+        with stages.stage(f"verify against the Hugging Face forward (float32 truth, {dtype} beside it)"):
             greedy = verify_greedy(hf_model, codec.encode, eos, runtimes)
+            if dtype == "float32":
+                cases = verify_logits(hf_model, runtimes, eos)
+            else:  # the truth in float32 beside the 16-bit copy: ~3x the 16-bit weights, for this stage
+                truth = load_checkpoint(source, "float32")
+                cases = verify_logits(truth, runtimes, eos, relative=True, hf_16bit=hf_model)
+                del truth
         max_diff = report(console, cases, greedy, dtype)
         out_dir.mkdir(parents=True, exist_ok=True)
         for produced in scratch.iterdir():  # includes ONNX external data, when there is any
@@ -226,31 +231,41 @@ def export_model(
 def report(console: Console, cases, greedy: dict[str, dict[str, bool]], dtype: str = "float32") -> dict[str, float]:
     """Prints the verification tables; raises VerificationError past the tolerance.
 
-    In float32 every greedy token and sampled id must agree. In 16 bits the reference itself
-    rounds differently from any other kernel order, so agreement is measured and reported, and
-    only the numeric tolerance (stated per dtype) can fail the export."""
-    tolerance = TOLERANCE[dtype]
-    names = list(cases[0].max_diff)
-    measure = "max |Δ|" if dtype == "float32" else "max |Δ|/max(1,|ref|)"
-    table = Table(title=f"{measure} vs Hugging Face eager forward in {dtype} (logits and new K/V; limit "
-                        f"{tolerance:g}); sampled ids = reference sampler (equal/rows, near-ties)")
-    for col in ("rows", "past", *names, *(f"{n} ids" for n in names)):
+    float32: every runtime within an absolute 1e-4 of the HF float32 forward, every greedy token
+    and sampled id equal. 16 bits: the truth is still the HF float32 forward, and HF's own forward
+    in the export's dtype is measured against it beside the runtimes; a runtime may be off by at
+    most twice what HF itself is off in that case (or the dtype's floor), relative to
+    max(1, |truth|). Rounding in 16 bits flips near-equal tokens, so greedy and sampled-id
+    agreement with HF in the same dtype are measured and reported, not required."""
+    floor = TOLERANCE[dtype]
+    exact = dtype == "float32"
+    names = [n for n in cases[0].max_diff if n != HF_16BIT]
+
+    def limit(case) -> float:
+        return floor if exact else max(floor, 2 * case.max_diff[HF_16BIT])
+
+    measure = "max |Δ|" if exact else "max |Δ|/max(1,|truth|)"
+    rule = f"limit {floor:g}" if exact else f"limit: 2 x HF's own {dtype} error, at least {floor:g}"
+    table = Table(title=f"{measure} vs the Hugging Face float32 forward (logits and new K/V; {rule}); "
+                        "sampled ids = reference sampler (equal/rows, near-ties)")
+    columns = list(cases[0].max_diff)
+    for col in ("rows", "past", *columns, *(f"{n} ids" for n in names)):
         table.add_column(col, justify="right")
     for c in cases:
-        cells = [f"[{'red' if d > tolerance else 'green'}]{d:.2e}[/]" for d in c.max_diff.values()]
+        cells = [f"[{'red' if n != HF_16BIT and d > limit(c) else 'green'}]{d:.2e}[/]" for n, d in c.max_diff.items()]
         ids = [f"{eq}/{n}" + (f" ({ties})" if ties else "") for n, eq, ties in c.sampled.values()]
         table.add_row(str(c.batch), str(c.past), *cells, *ids)
     console.print(table)
-    g = Table(title="greedy 32 tokens: identical to HF generate?")
+    g = Table(title=f"greedy 32 tokens: identical to HF generate in {dtype}?")
     g.add_column("prompt")
     for name in names:
         g.add_column(name, justify="center")
     for prompt, ok in greedy.items():
         g.add_row(repr(prompt), *("[green]yes[/]" if v else "[red]NO[/]" for v in ok.values()))
     console.print(g)
-    max_diff = {n: max(c.max_diff[n] for c in cases) for n in names}
-    bad = [f"{n}: max |Δ| {d:.2e}" for n, d in max_diff.items() if not d <= tolerance]  # NaN fails too
-    exact = dtype == "float32"
+    max_diff = {n: max(c.max_diff[n] for c in cases) for n in columns}
+    bad = [f"{n}: {measure} {c.max_diff[n]:.2e} at {c.batch} rows, past {c.past} (limit {limit(c):.2e})"
+           for c in cases for n in names if not c.max_diff[n] <= limit(c)]  # NaN fails too
     for name in names:
         same = sum(ok[name] for ok in greedy.values())
         checked, equal, ties = (sum(c.sampled[name][i] for c in cases) for i in range(3))
@@ -262,7 +277,7 @@ def report(console: Console, cases, greedy: dict[str, dict[str, bool]], dtype: s
             bad.append(f"{name}: {checked - equal - ties} of {checked} sampled ids differ from the reference sampler")
     if bad:
         raise VerificationError(
-            "exported step does not match the Hugging Face model (" + "; ".join(bad) + "); "
+            "exported step does not match the Hugging Face model (" + "; ".join(bad[:6]) + "); "
             "nothing was written to the model repository"
         )
     return max_diff

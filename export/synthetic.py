@@ -44,14 +44,15 @@ def byte_level_tokenizer(vocab_size: int):
     return tokenizer
 
 
-def random_checkpoint(path: Path, config, seed: int = 0, dtype=None) -> Path:
+def random_checkpoint(path: Path, config, seed: int = 0, dtype=None, tokenizer_vocab: int | None = None) -> Path:
     """Writes a random `*ForCausalLM` of `config` (a transformers config) and a tokenizer of its
-    vocabulary size to `path`, as `save_pretrained` does."""
+    vocabulary size (or of `tokenizer_vocab`, smaller: a padded vocabulary) to `path`, as
+    `save_pretrained` does."""
     import torch
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = byte_level_tokenizer(config.vocab_size)
+    tokenizer = byte_level_tokenizer(tokenizer_vocab or config.vocab_size)
     eos_id = tokenizer.token_to_id(EOS)
     if config.eos_token_id is None:
         config.eos_token_id = eos_id
@@ -76,3 +77,38 @@ def describe(path: Path) -> str:
     config = json.loads((path / "config.json").read_text())
     return (f"{config['model_type']}, {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, "
             f"vocabulary {config['vocab_size']}")
+
+
+def llama_3_2_1b_config():
+    """Llama-3.2-1B's published shape: 1.24 B parameters, 128k vocabulary, tied embeddings,
+    llama3 rotary scaling, three end-of-sequence ids in its generation config."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
+                       rope_theta=500000.0, tie_word_embeddings=True, rms_norm_eps=1e-5,
+                       rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+
+
+SHAPES = {"llama-3.2-1b": (llama_3_2_1b_config, 128000)}  # shape, tokenizer size (Llama 3's, before its specials)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m export.synthetic SHAPE PATH [--dtype bfloat16]`: a random checkpoint of that shape."""
+    import argparse
+
+    import torch
+
+    p = argparse.ArgumentParser(prog="python -m export.synthetic", description=main.__doc__)
+    p.add_argument("shape", choices=sorted(SHAPES))
+    p.add_argument("path", type=Path)
+    p.add_argument("--dtype", default="bfloat16", choices=("float32", "float16", "bfloat16"))
+    args = p.parse_args(argv)
+    config, tokenizer_vocab = SHAPES[args.shape]
+    random_checkpoint(args.path, config(), dtype=getattr(torch, args.dtype), tokenizer_vocab=tokenizer_vocab)
+    print(f"wrote {args.path}: {describe(args.path)}")
+
+
+if __name__ == "__main__":
+    main()

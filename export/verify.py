@@ -20,6 +20,7 @@ import torch
 
 from export.sampler import CANDIDATES
 
+HF_16BIT = "HF itself"  # the 16-bit HF forward, measured against the float32 truth as the runtimes are
 # float32: absolute max |Δ|. 16 bits: relative, |Δ| / max(1, |ref|): a few rounding steps
 # (float16 step 2^-10 ~ 1e-3, bfloat16 2^-7 ~ 8e-3, both relative).
 TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
@@ -167,7 +168,8 @@ def _sampling_for(i: int, rng: np.random.Generator) -> Sampling:
 
 def make_case(hf_model, batch: int, past: int, rng: np.random.Generator) -> Case:
     """Rows of different past and new lengths (decode rows among prefill rows, shuffled), their
-    cached K/V (from HF's own cache) at shuffled cache slots among garbage slots."""
+    cached K/V (from HF's own cache) at shuffled cache slots among garbage slots. `hf_model` is
+    the reference: the checkpoint in float32."""
     cfg = hf_model.config
     layers, heads = cfg.num_hidden_layers, cfg.num_key_value_heads
     head_dim = hf_model.model.layers[0].self_attn.head_dim
@@ -215,6 +217,27 @@ def case_error(case: Case, outputs: tuple[np.ndarray, ...], relative: bool = Fal
     return worst
 
 
+def hf_outputs(hf_model, case: Case) -> tuple:
+    """HF's own forward (in its dtype) on a case's rows, shaped as the step's outputs that
+    `case_error` reads: each row's last-token logits, and the K/V of its new tokens."""
+    from transformers import DynamicCache
+
+    logits, new_k, new_v = [], [], []
+    for row in case.rows:
+        cache = DynamicCache()
+        for layer in range(case.feeds["key_cache"].shape[0]):
+            past = (case.feeds[name][layer][:, row.past_slots][None] for name in ("key_cache", "value_cache"))
+            cache.update(*(torch.from_numpy(np.ascontiguousarray(t)).to(hf_model.dtype) for t in past), layer)
+        with torch.no_grad():
+            out = hf_model(input_ids=torch.tensor([row.new_ids]), past_key_values=cache, use_cache=True,
+                           position_ids=torch.arange(row.past, row.past + len(row.new_ids))[None])
+        n = len(row.new_ids)
+        logits.append(out.logits[0, -1].float().numpy())
+        new_k.append(np.stack([lay.keys[0, :, -n:].float().numpy() for lay in out.past_key_values.layers]))
+        new_v.append(np.stack([lay.values[0, :, -n:].float().numpy() for lay in out.past_key_values.layers]))
+    return None, None, None, None, np.stack(logits), np.concatenate(new_k, 2), np.concatenate(new_v, 2)
+
+
 def sampling_agreement(case: Case, outputs: tuple[np.ndarray, ...], eos_ids: list[int]) -> tuple[int, int, int]:
     """(rows checked, rows equal to the reference sampler, near-ties among the others)."""
     next_tokens, logits = outputs[0], outputs[4]
@@ -229,13 +252,19 @@ def sampling_agreement(case: Case, outputs: tuple[np.ndarray, ...], eos_ids: lis
 
 
 def verify_logits(hf_model, runtimes: dict[str, StepFn], eos_ids: list[int], seed: int = 0,
-                  relative: bool = False) -> list[CaseResult]:
+                  relative: bool = False, hf_16bit=None) -> list[CaseResult]:
+    """Each runtime's error against `hf_model`. With `hf_16bit` (the same checkpoint in the
+    export's 16-bit dtype, `hf_model` then being its float32 truth), HF's own 16-bit forward is
+    measured the same way and reported beside the runtimes, as the yardstick for theirs."""
     rng = np.random.default_rng(seed)
     results = []
     for batch, past in CASES:
         case = make_case(hf_model, batch, past, rng)
         outputs = {name: run(**case.feeds) for name, run in runtimes.items()}
-        results.append(CaseResult(batch, past, {n: case_error(case, o, relative) for n, o in outputs.items()},
+        errors = {n: case_error(case, o, relative) for n, o in outputs.items()}
+        if hf_16bit is not None:
+            errors[HF_16BIT] = case_error(case, hf_outputs(hf_16bit, case), relative)
+        results.append(CaseResult(batch, past, errors,
                                   {n: sampling_agreement(case, o, eos_ids) for n, o in outputs.items()}))
     return results
 

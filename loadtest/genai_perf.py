@@ -71,10 +71,14 @@ def ensure_tools() -> dict[str, str]:
     return env
 
 
-def run_genai_perf(env: dict[str, str], grpc_url: str, args: argparse.Namespace, out: Path) -> dict:
+def run_genai_perf(env: dict[str, str], server: LocalServer, args: argparse.Namespace, out: Path) -> dict:
+    """Triton's KServe gRPC route with the vLLM-backend contract, or our OpenAI-compatible API
+    (`--endpoint openai`: genai-perf's own `completions` endpoint type, over HTTP, unmodified)."""
+    target = (["--endpoint-type", "completions", "-u", f"http://{server.http_url}"] if args.endpoint == "openai"
+              else ["--endpoint-type", "kserve", "--backend", "vllm", "-u", server.grpc_url])
     command = [
-        str(TOOLS / "bin" / "genai-perf"), "profile", "-m", "llm", "--endpoint-type", "kserve", "--backend", "vllm",
-        "-u", grpc_url, "--streaming", "--concurrency", str(args.concurrency),
+        str(TOOLS / "bin" / "genai-perf"), "profile", "-m", "llm", *target, "--streaming",
+        "--concurrency", str(args.concurrency),
         "--tokenizer", str(DEFAULT_MODEL_DIR),
         "--synthetic-input-tokens-mean", str(args.input_tokens), "--synthetic-input-tokens-stddev", "0",
         "--output-tokens-mean", str(args.output_tokens), "--output-tokens-stddev", "0",
@@ -123,20 +127,21 @@ def run(args: argparse.Namespace) -> int:
     env = ensure_tools()
     out = args.out or Path("results") / time.strftime("genai-perf-%Y%m%d-%H%M%S")
     with LocalServer(config="cpu") as server:
-        theirs = run_genai_perf(env, server.grpc_url, args, out)
+        theirs = run_genai_perf(env, server, args, out)
         time.sleep(2)
         ours = run_ours(server, args)
     g_tps = theirs["output_token_throughput"]["avg"]
     o_tps = ours["output_token_throughput"]
-    summary = {"concurrency": args.concurrency, "input_tokens": args.input_tokens, "output_tokens": args.output_tokens,
+    summary = {"endpoint": args.endpoint, "concurrency": args.concurrency, "input_tokens": args.input_tokens,
+               "output_tokens": args.output_tokens,
                "genai_perf_output_tokens_per_s": g_tps, "ours_output_tokens_per_s": o_tps,
                "ratio_ours_to_genai_perf": o_tps / g_tps,
                "genai_perf_ttft_p50_ms": theirs["time_to_first_token"]["p50"],
                "genai_perf_request_throughput": theirs["request_throughput"]["avg"],
                "ours_request_throughput": ours["request_throughput"]}
     (out / "comparison.json").write_text(json.dumps(summary, indent=2))
-    print(f"\nconcurrency {args.concurrency}, {args.input_tokens} prompt tokens, {args.output_tokens} output tokens, "
-          "streaming:")
+    print(f"\n{args.endpoint} endpoint, concurrency {args.concurrency}, {args.input_tokens} prompt tokens, "
+          f"{args.output_tokens} output tokens, streaming:")
     print(f"  genai-perf : {g_tps:8.1f} output tokens/s  ({summary['genai_perf_request_throughput']:.2f} req/s)")
     print(f"  ours       : {o_tps:8.1f} output tokens/s  ({summary['ours_request_throughput']:.2f} req/s)")
     print(f"  ratio      : {summary['ratio_ours_to_genai_perf']:.2f}   (artifacts in {out}/)")
@@ -144,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--endpoint", choices=("kserve", "openai"), default="kserve",
+                   help="kserve: Triton's gRPC route (vLLM-backend contract); openai: our /v1/completions")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--input-tokens", type=int, default=100)
     p.add_argument("--output-tokens", type=int, default=64)

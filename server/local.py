@@ -59,6 +59,7 @@ class LocalServer:
     max_body_bytes: int | None = None  # front door limits (None: its defaults)
     max_message_bytes: int | None = None
     front_door_options: tuple[str, ...] = ()  # more `python -m frontdoor` flags (OpenAI API, API keys)
+    environment: dict[str, str] = field(default_factory=dict)  # more variables for tritonserver's environment
     process: subprocess.Popen | None = field(default=None, init=False)
     front: subprocess.Popen | None = field(default=None, init=False)
 
@@ -118,7 +119,8 @@ class LocalServer:
                               "run `batchstring export` first")
         install = TritonInstall.find()
         self.sockets.prepare()
-        self.process = self._spawn(self.command(install).argv(install.binary), install.environment())
+        self.process = self._spawn(self.command(install).argv(install.binary),
+                                   {**install.environment(), **self.environment})
         _terminate(self.front, 5)  # the front door watches this tritonserver's process: a new one for it
         self.start_front_door()
         try:

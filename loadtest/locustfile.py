@@ -66,17 +66,27 @@ def _load_prompts(environment, **_) -> None:
         PROMPTS[:] = [line for line in Path(source).read_text().splitlines() if line.strip()]
 
 
-class BatchstringUser(FastHttpUser):
+class _Caller(FastHttpUser):
+    """What both kinds of users share: pacing, timeouts, and the shape of one call."""
+
+    abstract = True
     wait_time = between(0.0, 0.5)
     network_timeout = 120.0
     connection_timeout = 10.0
 
+    def next_call(self) -> tuple[list[str], int]:
+        """The prompts of one call (--list-size of them) and its max_tokens (--max-tokens)."""
+        opts = self.environment.parsed_options
+        return random.choices(PROMPTS, k=random.randint(*_range(opts.list_size))), \
+            random.randint(*_range(opts.max_tokens))
+
+
+class BatchstringUser(_Caller):
     @task
     def batchstring(self) -> None:
         opts = self.environment.parsed_options
-        size = random.randint(*_range(opts.list_size))
-        prompts = random.choices(PROMPTS, k=size)
-        max_tokens = random.randint(*_range(opts.max_tokens))
+        prompts, max_tokens = self.next_call()
+        size = len(prompts)
         began = time.perf_counter()
         jobs = [gevent.spawn(self._one, prompt, max_tokens, opts.stream) for prompt in prompts]
         gevent.joinall(jobs)
@@ -117,17 +127,13 @@ class BatchstringUser(FastHttpUser):
             return exc
 
 
-class OpenAIUser(FastHttpUser):
-    wait_time = between(0.0, 0.5)
-    network_timeout = 120.0
-    connection_timeout = 10.0
-
+class OpenAIUser(_Caller):
     @task
     def completions(self) -> None:
         opts = self.environment.parsed_options
-        size = random.randint(*_range(opts.list_size))
-        body = {"model": "llm", "prompt": random.choices(PROMPTS, k=size), "temperature": 0,
-                "max_tokens": random.randint(*_range(opts.max_tokens)), "stream": opts.stream}
+        prompts, max_tokens = self.next_call()
+        size = len(prompts)
+        body = {"model": "llm", "prompt": prompts, "temperature": 0, "max_tokens": max_tokens, "stream": opts.stream}
         key = os.environ.get("BATCHSTRING_API_KEY")
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         with self.client.post("/v1/completions", name=f"openai[{size}]", json=body, headers=headers,

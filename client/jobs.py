@@ -34,9 +34,6 @@ from client.aio import AsyncBatchClient
 from client.protocol import Completion
 
 URL = "/v1/completions"
-BODY_OPTIONS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "min_tokens", "ignore_eos",
-                "logprobs")
-UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "suffix": None}
 SHOWN_MALFORMED = 20
 
 
@@ -67,9 +64,10 @@ def is_jsonl(path: Path) -> bool:
     with path.open(encoding="utf-8", errors="replace") as f:
         first = f.readline()
     try:
-        return isinstance(json.loads(first), dict) and "custom_id" in json.loads(first)
+        obj = json.loads(first)
     except ValueError:
         return False
+    return isinstance(obj, dict) and "custom_id" in obj
 
 
 def read_items(path: Path, defaults: dict, jsonl: bool) -> Iterator[Item | Malformed]:
@@ -104,14 +102,12 @@ def _parse_line(number: int, text: str, defaults: dict) -> Item:
         raise Malformed(number, f"method and url must be POST {URL} (got {obj.get('method')} {obj.get('url')})")
     if not isinstance(body, dict) or not isinstance(body.get("prompt"), str):
         raise Malformed(number, "body must be an object whose prompt is a string (one prompt per line)")
-    for key, allowed in UNSUPPORTED.items():
-        if body.get(key) not in (allowed, None):
-            raise Malformed(number, f"body.{key} is not supported (allowed: {allowed!r})")
-    stop = body.get("stop")
-    options = {**defaults, **{k: body[k] for k in BODY_OPTIONS if body.get(k) is not None}}
-    if isinstance(stop, str):
-        options["stop"] = [stop]
-    return Item(number, custom_id, body["prompt"], options)
+    if body.get("echo"):
+        raise Malformed(number, "body.echo is not supported by jobs (allowed: false)")
+    try:
+        return Item(number, custom_id, body["prompt"], {**defaults, **fmt.sampling_options(body)})
+    except fmt.BodyError as exc:
+        raise Malformed(number, f"body.{exc}") from None
 
 
 # ----- the output file -----------------------------------------------------------------------

@@ -13,6 +13,51 @@ import uuid
 from client.errors import INVALID_ARGUMENT, DeadlineExceeded, ItemError
 from client.protocol import Completion
 
+MAX_LOGPROBS = 20  # as the engine
+UNSUPPORTED = {  # what the engine does not do: field -> the only value it may have (empty also passes)
+    "n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "suffix": None, "logit_bias": None,
+    "tools": None, "tool_choice": None, "functions": None, "response_format": None,
+}
+
+
+class BodyError(ValueError):
+    """A request body field this server cannot honour; `field` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def sampling_options(body: dict, chat: bool = False) -> dict:
+    """The client options a completion (or chat) body sets, and only those; the server checks
+    ranges. Raises BodyError for what the engine does not do or a field of the wrong shape."""
+    for field, allowed in UNSUPPORTED.items():
+        if body.get(field) not in (None, allowed, {}, []):
+            raise BodyError(field, f"{field} is not supported by this server (allowed: {allowed!r})")
+    options = {"max_tokens": body.get("max_completion_tokens", body.get("max_tokens")) if chat
+               else body.get("max_tokens"),
+               "stop": _stop(body.get("stop")), "logprobs": _logprobs(body, chat),
+               **{k: body.get(k) for k in ("temperature", "top_p", "top_k", "seed", "min_tokens", "ignore_eos")}}
+    return {k: v for k, v in options.items() if v is not None}
+
+
+def _stop(stop) -> list[str] | None:
+    if stop is None or isinstance(stop, str):
+        return None if stop is None else [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return stop
+    raise BodyError("stop", "stop must be a string or a list of strings")
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """Completions: `logprobs` is the top-n count. Chat: `logprobs` is a flag, `top_logprobs` the count."""
+    field = "top_logprobs" if chat else "logprobs"
+    value = (body.get("top_logprobs", 0) if body.get("logprobs") else None) if chat else body.get("logprobs")
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                              or not 0 <= value <= MAX_LOGPROBS):
+        raise BodyError(field, f"{field} must be an integer in [0, {MAX_LOGPROBS}]; got {value!r}")
+    return value
+
 
 def error_type(status: int) -> str:
     return {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",

@@ -26,11 +26,6 @@ from client.protocol import Piece
 from frontdoor.chat import ChatTemplate
 
 MAX_PROMPTS = 256  # prompts in one completion request (each is one request to Triton)
-MAX_LOGPROBS = 20  # as the engine
-UNSUPPORTED = {  # field: the value it may have here
-    "n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "suffix": None, "logit_bias": None,
-    "tools": None, "tool_choice": None, "functions": None, "response_format": None,
-}
 
 
 class ApiError(Exception):
@@ -106,15 +101,13 @@ class OpenAIRoutes:
         if model != self.model_name:
             raise ApiError(404, f"model {model!r} does not exist here; this server serves {self.model_name!r} "
                                 "(GET /v1/models)", "model", "model_not_found")
-        for field, allowed in UNSUPPORTED.items():
-            if body.get(field) not in (allowed, None) and not (field in ("logit_bias", "tools") and not body[field]):
-                raise ApiError(400, f"{field} is not supported by this server (allowed: {allowed!r})", field)
+        try:
+            sampling = fmt.sampling_options(body, chat)
+        except fmt.BodyError as exc:
+            raise ApiError(400, str(exc), exc.field) from None
         prompts = [self._chat_prompt(body.get("messages"))] if chat else _prompts(body.get("prompt"))
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) if chat else body.get("max_tokens", 16)
-        options = {"max_tokens": max_tokens, "temperature": body.get("temperature", 1.0),
-                   "top_p": body.get("top_p"), "seed": body.get("seed"), "stop": _stop(body.get("stop")),
-                   "top_k": body.get("top_k"), "min_tokens": body.get("min_tokens"),
-                   "ignore_eos": body.get("ignore_eos"), "logprobs": _logprobs(body, chat)}
+        # OpenAI's defaults: 16 tokens for completions (chat: the model's), temperature 1
+        options = {"max_tokens": None if chat else 16, "temperature": 1.0, **sampling}
         stream = body.get("stream") or False
         if not isinstance(stream, bool):
             raise ApiError(400, f"stream must be true or false; got {stream!r}", "stream")
@@ -232,25 +225,6 @@ def _prompts(prompt) -> list[str]:
         raise ApiError(400, f"prompt is a list of {len(prompts)} strings; at most {MAX_PROMPTS} per request "
                             "(send several requests, or use `batchstring run --input` for files)", "prompt")
     return prompts
-
-
-def _stop(stop) -> list[str] | None:
-    if stop is None or isinstance(stop, str):
-        return None if stop is None else [stop]
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        return stop
-    raise ApiError(400, "stop must be a string or a list of strings", "stop")
-
-
-def _logprobs(body: dict, chat: bool) -> int | None:
-    """Completions: `logprobs` is the top-n count. Chat: `logprobs` is a flag, `top_logprobs` the count."""
-    value = body.get("top_logprobs", 0) if chat and body.get("logprobs") else None if chat else body.get("logprobs")
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS:
-        raise ApiError(400, f"{'top_logprobs' if chat else 'logprobs'} must be an integer in [0, {MAX_LOGPROBS}]; "
-                            f"got {value!r}", "top_logprobs" if chat else "logprobs")
-    return value
 
 
 def _content(content, i: int) -> str:

@@ -65,6 +65,24 @@ def metric_reaches(metrics_url: str, name: str, minimum: float, timeout: float =
         time.sleep(0.25)
 
 
+def staggered(url: str, prompts: list[str], max_tokens: int) -> list[str]:
+    """Each prompt as its own greedy call (EOS ignored), joining the running batch at different
+    moments: what batch invariance is checked against."""
+    import asyncio
+
+    from client import AsyncBatchClient
+
+    async def run() -> list[str]:
+        async with AsyncBatchClient(url) as aio:
+            async def one(i: int, prompt: str) -> str:
+                await asyncio.sleep(0.01 * (i % 10))  # join at different positions
+                return (await aio.batchstring([prompt], max_tokens=max_tokens, ignore_eos=True))[0]
+
+            return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+    return asyncio.run(run())
+
+
 @pytest.fixture(scope="session")
 def server(request, model_dir):
     """The CPU config as shipped, plus the test-only fault marker."""

@@ -19,7 +19,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from client import AsyncBatchClient, BatchClient
 from server.stats import metrics
-from tests.conftest import FAULT_MARKER, metric_reaches, start_server
+from tests.conftest import FAULT_MARKER, metric_reaches, staggered, start_server
 from tests.engine_helpers import alone, engine, varied_prompts
 
 PROMPTS = varied_prompts(8, seed=21)
@@ -292,18 +292,6 @@ def test_stop_string_limits_are_enforced_with_clear_errors(client):
 
 
 # ----- batch invariance beyond the default configuration -----------------------------------------
-
-
-def staggered(url: str, prompts: list[str], max_tokens: int) -> list[str]:
-    async def run() -> list[str]:
-        async with AsyncBatchClient(url) as aio:
-            async def one(i: int, prompt: str) -> str:
-                await asyncio.sleep(0.01 * (i % 10))
-                return (await aio.batchstring([prompt], max_tokens=max_tokens, ignore_eos=True))[0]
-
-            return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-
-    return asyncio.run(run())
 
 
 @pytest.fixture(scope="module")

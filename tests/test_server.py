@@ -11,7 +11,7 @@ import pytest
 
 from client import AsyncBatchClient, BatchClient, BatchError, DeadlineExceeded, ItemError
 from server.stats import batch_stats, metrics
-from tests.conftest import FAULT_MARKER, metric_reaches, start_server
+from tests.conftest import FAULT_MARKER, metric_reaches, staggered, start_server
 from tests.engine_helpers import alone, engine, varied_prompts
 
 
@@ -66,21 +66,12 @@ def test_dynamic_batching_forms_real_batches(server, client):
     assert stats.average_batch > 1, f"Triton ran {stats.executions} executions for 32 requests"
 
 
-def test_batch_invariance_through_triton(model_dir, client):
+def test_batch_invariance_through_triton(model_dir, server):
     prompts = varied_prompts(40, seed=5)
     reference = alone(engine(model_dir), prompts)
     codec_engine = engine(model_dir)
     expected = [codec_engine.codec.decode(ids) for ids in reference]
-
-    async def staggered() -> list[str]:
-        async with AsyncBatchClient(client._aio.connections[0].url) as aio:
-            async def one(i: int, prompt: str) -> str:
-                await asyncio.sleep(0.01 * (i % 10))  # join at different positions
-                return (await aio.batchstring([prompt], max_tokens=24, ignore_eos=True))[0]
-
-            return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-
-    outputs = asyncio.run(staggered())
+    outputs = staggered(server.grpc_url, prompts, max_tokens=24)
     assert [i for i, (a, b) in enumerate(zip(outputs, expected)) if a != b] == []
 
 

@@ -167,3 +167,40 @@ def test_the_sse_wire_format_ends_with_done(server):
     assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
     chunks = [json.loads(e[6:]) for e in events[:-1]]
     assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+BAD_BODIES = [  # (body, the field the error names, what it says)
+    (b"{not json", None, "not valid JSON"),
+    (b"[1, 2]", None, "must be a JSON object"),
+    (json.dumps({"model": "llm", "prompt": [1, 2, 3]}).encode(), "prompt", "token ids"),
+    (json.dumps({"model": "llm", "prompt": []}).encode(), "prompt", "non-empty list"),
+    (json.dumps({"model": "llm", "prompt": ["x"] * 257}).encode(), "prompt", "at most 256"),
+    (json.dumps({"model": "llm", "prompt": "x", "stop": 5}).encode(), "stop", "string or a list"),
+    (json.dumps({"model": "llm", "prompt": "x", "logprobs": 21}).encode(), "logprobs", "[0, 20]"),
+    (json.dumps({"model": "llm", "prompt": "x", "stream": "yes"}).encode(), "stream", "true or false"),
+    (json.dumps({"model": "llm", "prompt": "x", "presence_penalty": 0.5}).encode(), "presence_penalty",
+     "not supported"),
+    (json.dumps({"model": "llm", "prompt": "x", "temperature": -1}).encode(), None, "temperature"),
+    (json.dumps({"model": "llm", "prompt": "\ud800"}).encode(), "prompt", "lone surrogates"),
+]
+
+
+@pytest.mark.parametrize("body, param, says", BAD_BODIES, ids=[b[2] for b in BAD_BODIES])
+def test_bad_bodies_get_a_400_that_names_the_field_and_the_server_stays_up(server, client, body, param, says):
+    request = urllib.request.Request(f"http://{server.http_url}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=30)
+    error = json.loads(refused.value.read())["error"]
+    assert refused.value.code == 400 and error["type"] == "invalid_request_error" and says in error["message"]
+    assert param is None or error["param"] == param
+    assert client.batchstring(["def still_fine():"], max_tokens=2)[0]
+
+
+def test_chat_messages_of_the_wrong_shape_get_a_400(keyed):
+    url, _ = keyed
+    sdk = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    for messages, says in (([], "non-empty list"), ([{"content": "hi"}], "string role"),
+                           ([{"role": "user", "content": [{"type": "image_url"}]}], "text only")):
+        with pytest.raises(openai.BadRequestError, match=says):
+            sdk.chat.completions.create(model="llm", messages=messages, max_tokens=2)

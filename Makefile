@@ -11,10 +11,10 @@ MODEL_SOURCES := $(wildcard export/default_model/*) $(wildcard export/*.py)
 
 install: $(INSTALLED)
 
-$(INSTALLED): pyproject.toml
+$(INSTALLED): pyproject.toml client/pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -e ./client -e '.[dev]'
 	@touch $@
 
 # Exported files are build products: re-export when the checkpoint or the exporter changes.

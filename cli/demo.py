@@ -14,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 from rich.console import Console
 from rich.table import Table
 
-from client import BatchClient
-from server.local import LocalServer
-from server.stats import batch_stats, metrics
+from batchstring.client import BatchClient
+from batchstring.server.local import LocalServer
+from batchstring.server.stats import batch_stats, metrics
 
 CALLERS = {
     "caller 1": ["def fibonacci(n):", "import os\n", "class Stack:\n    def __init__(self):", "for i in range("],

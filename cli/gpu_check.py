@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from export.layout import DEFAULT_MODEL_DIR, MODEL_VERSION_DIR, REPO_ROOT
+from batchstring.export.layout import DEFAULT_MODEL_DIR, MODEL_VERSION_DIR, REPO_ROOT
 
 ORT_GPU = "onnxruntime-gpu==1.32.0"
 PROMPTS = [f"def task_{i}(items):\n    " for i in range(64)]
@@ -75,7 +75,7 @@ def environment(ctx: dict) -> list[str]:
 
 
 def export_float16(ctx: dict) -> list[str]:
-    from export.exporter import export_model
+    from batchstring.export.exporter import export_model
 
     repository = Path(ctx["scratch"]) / "repository"
     shutil.copytree(REPO_ROOT / "model_repository", repository, ignore=shutil.ignore_patterns("1"))
@@ -93,9 +93,9 @@ def device_numerics(ctx: dict) -> list[str]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engine.config import EngineConfig
-    from engine.engine import Engine
-    from engine.sampling import SamplingParams
+    from batchstring.engine.config import EngineConfig
+    from batchstring.engine.engine import Engine
+    from batchstring.engine.sampling import SamplingParams
 
     hf = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float16).to(ctx["device"]).eval()
     lines = []
@@ -116,7 +116,7 @@ def device_numerics(ctx: dict) -> list[str]:
 
 
 def host_time(ctx: dict) -> list[str]:
-    from loadtest.host_overhead import measure
+    from batchstring.loadtest.host_overhead import measure
 
     lines = ["| runtime | sampling | batch | runner ms/step | host ms/step | host share |", "|---|---|---|---|---|---|"]
     for runtime in RUNTIMES:
@@ -130,11 +130,11 @@ def host_time(ctx: dict) -> list[str]:
 def serving(ctx: dict) -> list[str]:
     import asyncio
 
-    from client import AsyncBatchClient, BatchClient
-    from engine.config import EngineConfig
-    from engine.engine import Engine
-    from engine.sampling import SamplingParams
-    from server.local import LocalServer
+    from batchstring.client import AsyncBatchClient, BatchClient
+    from batchstring.engine.config import EngineConfig
+    from batchstring.engine.engine import Engine
+    from batchstring.engine.sampling import SamplingParams
+    from batchstring.server.local import LocalServer
 
     engine = Engine(EngineConfig(model_dir=ctx["model_dir"], device=ctx["device"]))
     expected = []
@@ -178,9 +178,9 @@ CHECKS = [
 
 def dry_run() -> int:
     """What can be checked without a GPU: the plan, the exported model, the GPU config, tritonserver."""
-    from export.layout import missing_artifacts
-    from server.repository import load_config, parameters
-    from server.triton import TritonInstall
+    from batchstring.export.layout import missing_artifacts
+    from batchstring.server.repository import load_config, parameters
+    from batchstring.server.triton import TritonInstall
 
     problems = []
     missing = missing_artifacts(MODEL_VERSION_DIR)

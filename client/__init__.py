@@ -1,19 +1,37 @@
-"""batchstring client: `batchstring(list[str]) -> list[str]` against the Triton `llm` model."""
+"""batchstring client: `batchstring(list[str]) -> list[str]` against a batchstring server.
 
-from client.aio import AsyncBatchClient
-from client.errors import BatchError, DeadlineExceeded, ItemError, StreamBroken
-from client.protocol import Completion
-from client.retry import RetryPolicy
-from client.sync import BatchClient, batchstring
+Names are loaded on first use (PEP 562), so that the `batchstring` command can dispatch to a
+subcommand that needs no gRPC (the server's `gpu-check` on a bare GPU machine) without loading it.
+"""
 
-__all__ = [
-    "AsyncBatchClient",
-    "BatchClient",
-    "BatchError",
-    "Completion",
-    "DeadlineExceeded",
-    "ItemError",
-    "RetryPolicy",
-    "StreamBroken",
-    "batchstring",
-]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from batchstring.client.aio import AsyncBatchClient
+    from batchstring.client.errors import BatchError, DeadlineExceeded, ItemError, StreamBroken
+    from batchstring.client.protocol import Completion
+    from batchstring.client.retry import RetryPolicy
+    from batchstring.client.sync import BatchClient, batchstring
+
+_EXPORTS = {
+    "AsyncBatchClient": "aio",
+    "BatchClient": "sync",
+    "BatchError": "errors",
+    "Completion": "protocol",
+    "DeadlineExceeded": "errors",
+    "ItemError": "errors",
+    "RetryPolicy": "retry",
+    "StreamBroken": "errors",
+    "batchstring": "sync",
+}
+__all__ = ["AsyncBatchClient", "BatchClient", "BatchError", "Completion", "DeadlineExceeded", "ItemError",
+           "RetryPolicy", "StreamBroken", "batchstring"]
+
+
+def __getattr__(name: str) -> object:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

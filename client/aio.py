@@ -13,16 +13,13 @@ from pathlib import Path
 
 import grpc
 
-from client.connection import CallStreams, Connection
-from client.errors import INVALID_ARGUMENT, BatchError, DeadlineExceeded, ItemError, StreamBroken
-from client.protocol import Completion, GenerationOptions, Piece, build_request, encode_text
-from client.retry import RetryPolicy
+from batchstring.client.connection import CallStreams, Connection
+from batchstring.client.defaults import API_KEY_ENV, DEFAULT_MAX_TOKENS, DEFAULT_URL, MAX_MESSAGE_BYTES
+from batchstring.client.errors import INVALID_ARGUMENT, BatchError, DeadlineExceeded, ItemError, StreamBroken
+from batchstring.client.protocol import Completion, GenerationOptions, Piece, build_request, encode_text
+from batchstring.client.retry import RetryPolicy
 
-DEFAULT_URL = "localhost:8001"
-DEFAULT_MAX_TOKENS = 64
-MAX_MESSAGE_BYTES = 2**20  # the server's front door refuses larger gRPC messages (--max-message-bytes)
 HEALTH_PROBE_SECONDS = 2.0
-API_KEY_ENV = "BATCHSTRING_API_KEY"  # the key a server with API keys wants (never on a command line)
 DISCOVERY_SECONDS = 30.0
 
 

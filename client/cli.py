@@ -1,17 +1,57 @@
-"""`batchstring run "text" ...`: completions from a running server, one per argument; or, with
-`--input FILE --output FILE`, a resumable job over a file (client/jobs.py)."""
+"""The `batchstring` command, and its `run` subcommand.
+
+`batchstring run "text" ...`: completions from a running server, one per argument; or, with
+`--input FILE --output FILE`, a resumable job over a file (client/jobs.py). Other subcommands come
+from the `batchstring.commands` entry point group (the server distribution's serve, export, ...);
+only the chosen subcommand's module is imported.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import sys
+from importlib.metadata import entry_points
 from pathlib import Path
 
-from client.aio import DEFAULT_MAX_TOKENS, DEFAULT_URL, AsyncBatchClient
-from client.errors import BatchError
-from client.sync import BatchClient
+from batchstring.client.defaults import DEFAULT_MAX_TOKENS, DEFAULT_URL
+
+ENTRY_POINTS = "batchstring.commands"
+# name -> (module, arguments function, run function, help)
+COMMANDS = {
+    "run": ("batchstring.client.cli", "add_arguments", "run",
+            "complete prompts on a running server and print the results"),
+}
+
+
+def installed_commands() -> dict[str, tuple[str, str, str, str]]:
+    """`run`, plus what installed distributions add under the `batchstring.commands` group."""
+    found = dict(COMMANDS)
+    for entry in entry_points(group=ENTRY_POINTS):
+        found.update(entry.load())
+    return found
+
+
+def build_parser(commands: dict[str, tuple[str, str, str, str]], chosen: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="batchstring", description="batchstring: an LLM batch API on Triton.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module_name, add_arguments, run_name, text) in commands.items():
+        p = sub.add_parser(name, help=text)
+        if chosen in (None, name):
+            module = importlib.import_module(module_name)
+            getattr(module, add_arguments)(p)
+            p.set_defaults(func=getattr(module, run_name))
+    return parser
+
+
+def main(argv: list[str] | None = None, commands: dict[str, tuple[str, str, str, str]] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    commands = commands or installed_commands()
+    chosen = argv[0] if argv and argv[0] in commands else None
+    args = build_parser(commands, chosen).parse_args(argv)
+    sys.exit(args.func(args))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,6 +79,9 @@ def run(args: argparse.Namespace) -> int:
         return run_file(args)
     if not args.texts:
         raise SystemExit("batchstring run: give prompts as arguments, - for stdin, or --input FILE --output FILE")
+    from batchstring.client.errors import BatchError
+    from batchstring.client.sync import BatchClient
+
     texts = [line.rstrip("\n") for line in sys.stdin] if args.texts == ["-"] else args.texts
     with BatchClient(args.url, root_certificates=args.tls_ca) as client:
         try:
@@ -61,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_file(args: argparse.Namespace) -> int:
-    from client.jobs import is_jsonl, run_job
+    from batchstring.client.aio import AsyncBatchClient
+    from batchstring.client.jobs import is_jsonl, run_job
 
     if not (args.input and args.output):
         raise SystemExit("batchstring run: --input and --output go together")

@@ -17,8 +17,9 @@ from collections.abc import AsyncIterator
 import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from client.errors import UNAUTHENTICATED, StreamBroken
-from client.protocol import MODEL, Piece, parse_response
+from batchstring.client.defaults import MODEL
+from batchstring.client.errors import UNAUTHENTICATED, StreamBroken
+from batchstring.client.protocol import Piece, parse_response
 
 CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 20_000),  # notice a dead peer on an idle connection

@@ -29,9 +29,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from client import openai_format as fmt
-from client.aio import AsyncBatchClient
-from client.protocol import Completion
+from batchstring.client import openai_format as fmt
+from batchstring.client.aio import AsyncBatchClient
+from batchstring.client.protocol import Completion
 
 URL = "/v1/completions"
 SHOWN_MALFORMED = 20

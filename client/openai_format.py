@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 import uuid
 
-from client.errors import INVALID_ARGUMENT, DeadlineExceeded, ItemError
-from client.protocol import Completion
+from batchstring.client.errors import INVALID_ARGUMENT, DeadlineExceeded, ItemError
+from batchstring.client.protocol import Completion
 
 MAX_LOGPROBS = 20  # as the engine
 UNSUPPORTED = {  # what the engine does not do: field -> the only value it may have (empty also passes)

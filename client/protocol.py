@@ -14,7 +14,8 @@ import numpy as np
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
-MODEL = "llm"
+from batchstring.client.defaults import MODEL
+
 DEADLINE_PARAMETER = "deadline_us"  # request parameter: microseconds left for this request
 
 

@@ -12,7 +12,8 @@ import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 
-from client.aio import DEFAULT_MAX_TOKENS, DEFAULT_URL, AsyncBatchClient
+from batchstring.client.aio import AsyncBatchClient
+from batchstring.client.defaults import DEFAULT_MAX_TOKENS, DEFAULT_URL
 
 _END = object()
 

@@ -2,7 +2,7 @@
 # The server command line of the batchstring image. `make test` runs this very script against the
 # local tritonserver binary (TRITONSERVER, PYTHON, MODEL_REPOSITORY and the ports overridden) to prove it.
 #   - tritonserver listens only on Unix sockets in a private directory; the bounded front door
-#     (python -m frontdoor) owns the public ports: 8000 HTTP, 8001 gRPC, 8002 metrics
+#     (python -m batchstring.frontdoor) owns the public ports: 8000 HTTP, 8001 gRPC, 8002 metrics
 #   - no remote model control (--model-control-mode=none); admin APIs are not reachable through the
 #     front door, and need a header key besides: BATCHSTRING_ADMIN_KEY_FILE (a mounted secret),
 #     BATCHSTRING_ADMIN_KEY, or a random one nobody holds
@@ -40,7 +40,7 @@ if [ "${BATCHSTRING_OPENAI:-1}" = "0" ]; then FRONT_OPTIONS+=(--no-openai); fi
 if [ -f "${BATCHSTRING_API_KEY_FILE:-/nonexistent}" ]; then  # an optional Secret: keys when it is mounted
   FRONT_OPTIONS+=(--api-key-file "$BATCHSTRING_API_KEY_FILE")
 fi
-"${PYTHON:-python3}" -m frontdoor "${FRONT_OPTIONS[@]}" \
+"${PYTHON:-python3}" -m batchstring.frontdoor "${FRONT_OPTIONS[@]}" \
   --host "${BATCHSTRING_HOST:-0.0.0.0}" \
   --http-port "${BATCHSTRING_HTTP_PORT:-8000}" \
   --grpc-port "${BATCHSTRING_GRPC_PORT:-8001}" \

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.block_manager import BlockManager
-from engine.sequence import Sequence
+from batchstring.engine.block_manager import BlockManager
+from batchstring.engine.sequence import Sequence
 
 
 @dataclass(frozen=True)

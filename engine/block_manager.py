@@ -19,7 +19,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from engine.sequence import Sequence
+from batchstring.engine.sequence import Sequence
 
 
 class BlockManager:

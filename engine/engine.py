@@ -23,20 +23,20 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.batch import StepBatch, Work, build_step
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.errors import InvalidRequest, is_out_of_memory
-from engine.faults import FaultInjector
-from engine.memory import auto_cache_tokens, free_bytes, weight_bytes
-from engine.output import OutputSink, OutputStream, TokenLogprob
-from engine.policy import policy_for
-from engine.runner import PagedCacheRunner, RuntimeSpec, StepOutput, build_runner
-from engine.sampling import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
-from engine.stats import EngineStats
-from engine.tokenizer import TextCodec
+from batchstring.engine.batch import StepBatch, Work, build_step
+from batchstring.engine.block_manager import BlockManager
+from batchstring.engine.config import EngineConfig
+from batchstring.engine.errors import InvalidRequest, is_out_of_memory
+from batchstring.engine.faults import FaultInjector
+from batchstring.engine.memory import auto_cache_tokens, free_bytes, weight_bytes
+from batchstring.engine.output import OutputSink, OutputStream, TokenLogprob
+from batchstring.engine.policy import policy_for
+from batchstring.engine.runner import PagedCacheRunner, RuntimeSpec, StepOutput, build_runner
+from batchstring.engine.sampling import SamplingParams
+from batchstring.engine.scheduler import Scheduler
+from batchstring.engine.sequence import Sequence
+from batchstring.engine.stats import EngineStats
+from batchstring.engine.tokenizer import TextCodec
 
 _STOP = object()
 WATCHDOG_SECONDS = 1.0

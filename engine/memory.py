@@ -8,6 +8,7 @@ holds once). What the fraction leaves is for activations and the runtime's works
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 GIB = 2**30
@@ -46,3 +47,21 @@ def auto_cache_tokens(free: int, fraction: float, weights: int, bytes_per_token:
             "or set kv_cache_tokens to a number"
         )
     return tokens
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """The KV cache's size in tokens, and how it was chosen (for the start-up line)."""
+
+    tokens: int
+    reason: str
+
+
+def plan_cache(config, spec, model_dir: Path) -> CachePlan:
+    """`kv_cache_tokens` as configured, or sized from free memory when it is `auto` (0)."""
+    if config.kv_cache_tokens:
+        return CachePlan(config.kv_cache_tokens, "kv_cache_tokens as configured")
+    free, source = free_bytes(config.device)
+    tokens = auto_cache_tokens(free, config.kv_cache_memory_fraction, weight_bytes(model_dir, config.runtime),
+                               spec.bytes_per_token, config.block_size, spec.context_length, source)
+    return CachePlan(tokens, f"auto: {config.kv_cache_memory_fraction:g} of {source}, less the weights")

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.sampling import SamplingParams
-from engine.tokenizer import TextCodec
+from batchstring.engine.sampling import SamplingParams
+from batchstring.engine.tokenizer import TextCodec
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ finish first keep computing and their answers are held until then.
 
 from __future__ import annotations
 
-from engine.sequence import Sequence
+from batchstring.engine.sequence import Sequence
 
 
 class BatchingPolicy:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.batch import StepBatch
+from batchstring.engine.batch import StepBatch
 
 FETCHED = ("next_tokens", "token_logprobs", "top_ids", "top_logprobs", "new_keys", "new_values")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}

@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.errors import InvalidRequest
+from batchstring.engine.errors import InvalidRequest
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 128

@@ -28,11 +28,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.batch import Work
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.policy import BatchingPolicy
-from engine.sequence import Sequence, Status
+from batchstring.engine.batch import Work
+from batchstring.engine.block_manager import BlockManager
+from batchstring.engine.config import EngineConfig
+from batchstring.engine.policy import BatchingPolicy
+from batchstring.engine.sequence import Sequence, Status
 
 
 @dataclass(frozen=True)

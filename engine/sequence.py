@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.sampling import SamplingParams
+from batchstring.engine.sampling import SamplingParams
 
 
 class Status(enum.Enum):

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch.export import Dim
 
-from export.step import DecoderStep
+from batchstring.export.step import DecoderStep
 
 INPUT_NAMES = (
     "input_ids", "position_ids",

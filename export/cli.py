@@ -15,10 +15,10 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from export.exporter import export_model
-    from export.layout import MODEL_VERSION_DIR
-    from export.step import UnsupportedModel
-    from export.verify import VerificationError
+    from batchstring.export.exporter import export_model
+    from batchstring.export.layout import MODEL_VERSION_DIR
+    from batchstring.export.step import UnsupportedModel
+    from batchstring.export.verify import VerificationError
 
     try:
         export_model(args.model, args.out or MODEL_VERSION_DIR, dtype=args.dtype)
@@ -33,8 +33,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from export.layout import DEFAULT_MODEL_DIR
-    from export.train import train
+    from batchstring.export.layout import DEFAULT_MODEL_DIR
+    from batchstring.export.train import train
 
     train(args.out or DEFAULT_MODEL_DIR)
     return 0

@@ -13,11 +13,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from engine.tokenizer import TextCodec
-from export import artifacts
-from export.layout import DEFAULT_MODEL_DIR, MODEL_VERSION_DIR
-from export.step import DecoderStep, check_supported
-from export.verify import HF_16BIT, TOLERANCE, StepFn, VerificationError, verify_greedy, verify_logits
+from batchstring.engine.tokenizer import TextCodec
+from batchstring.export import artifacts
+from batchstring.export.layout import DEFAULT_MODEL_DIR, MODEL_VERSION_DIR
+from batchstring.export.step import DecoderStep, check_supported
+from batchstring.export.verify import HF_16BIT, TOLERANCE, StepFn, VerificationError, verify_greedy, verify_logits
 
 
 @dataclass

@@ -53,7 +53,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from export.sampler import SamplingHead
+from batchstring.export.sampler import SamplingHead
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 UNSUPPORTED_ROPE = ("dynamic", "longrope")

@@ -18,7 +18,7 @@ def byte_level_tokenizer(vocab_size: int):
     """A byte-level BPE tokenizer with `vocab_size` tokens (the last one is EOS)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from engine.tokenizer import byte_level_chars
+    from batchstring.engine.tokenizer import byte_level_chars
 
     symbols = byte_level_chars()
     vocab = {s: i for i, s in enumerate(symbols)}
@@ -95,12 +95,12 @@ SHAPES = {"llama-3.2-1b": (llama_3_2_1b_config, 128000)}  # shape, tokenizer siz
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m export.synthetic SHAPE PATH [--dtype bfloat16]`: a random checkpoint of that shape."""
+    """`python -m batchstring.export.synthetic SHAPE PATH [--dtype bfloat16]`: a random checkpoint of that shape."""
     import argparse
 
     import torch
 
-    p = argparse.ArgumentParser(prog="python -m export.synthetic", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m batchstring.export.synthetic", description=main.__doc__)
     p.add_argument("shape", choices=sorted(SHAPES))
     p.add_argument("path", type=Path)
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "float16", "bfloat16"))

@@ -20,9 +20,9 @@ from rich.table import Table
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 
-from engine.tokenizer import TextCodec
-from export.corpus import Corpus, stdlib_corpus
-from export.layout import DEFAULT_MODEL_DIR
+from batchstring.engine.tokenizer import TextCodec
+from batchstring.export.corpus import Corpus, stdlib_corpus
+from batchstring.export.layout import DEFAULT_MODEL_DIR
 
 EOT = "<|endoftext|>"
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from export.sampler import CANDIDATES
+from batchstring.export.sampler import CANDIDATES
 
 HF_16BIT = "HF itself"  # the 16-bit HF forward, measured against the float32 truth as the runtimes are
 # float32: absolute max |Δ|. 16 bits: relative, |Δ| / max(1, |ref|): a few rounding steps

@@ -1,3 +1,3 @@
-from frontdoor.main import main
+from batchstring.frontdoor.main import main
 
 main()

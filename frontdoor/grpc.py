@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from frontdoor.auth import ApiKeys
-from frontdoor.limits import Limits
+from batchstring.frontdoor.auth import ApiKeys
+from batchstring.frontdoor.limits import Limits
 
 SERVICE = "/inference.GRPCInferenceService/"
 UNARY = ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelConfig",

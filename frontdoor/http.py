@@ -12,12 +12,12 @@ from collections.abc import Callable
 import aiohttp
 from aiohttp import web
 
-from frontdoor.auth import ApiKeys
-from frontdoor.health import stub_alive
-from frontdoor.limits import Limits
-from frontdoor.openai_api import OpenAIRoutes, error_response
+from batchstring.client.defaults import MODEL
+from batchstring.frontdoor.auth import ApiKeys
+from batchstring.frontdoor.health import stub_alive
+from batchstring.frontdoor.limits import Limits
+from batchstring.frontdoor.openai_api import OpenAIRoutes, error_response
 
-MODEL = "llm"
 GET_ROUTES = ("/v2", "/v2/health/live", "/v2/health/ready", f"/v2/models/{MODEL}", f"/v2/models/{MODEL}/ready",
               f"/v2/models/{MODEL}/config", f"/v2/models/{MODEL}/stats")
 POST_ROUTES = (f"/v2/models/{MODEL}/generate", f"/v2/models/{MODEL}/generate_stream", f"/v2/models/{MODEL}/infer")

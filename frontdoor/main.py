@@ -1,4 +1,4 @@
-"""`python -m frontdoor`: the front door process (HTTP, gRPC and metrics ports) for one tritonserver.
+"""`python -m batchstring.frontdoor`: the front door process (HTTP, gRPC and metrics ports) for one tritonserver.
 
 It also watches the model: if `/v2/models/llm/ready` stays false (or Triton unreachable) for
 `--exit-when-unready` seconds, it exits with status 3, so that a container restart policy or a
@@ -18,19 +18,20 @@ from pathlib import Path
 import grpc
 from aiohttp import web
 
-from client import AsyncBatchClient
-from frontdoor import grpc as grpc_side
-from frontdoor.auth import ApiKeys
-from frontdoor.chat import ChatTemplate
-from frontdoor.http import MODEL, Upstream, make_app, make_metrics_app
-from frontdoor.limits import Limits
-from frontdoor.openai_api import OpenAIRoutes
+from batchstring.client import AsyncBatchClient
+from batchstring.client.defaults import MODEL
+from batchstring.frontdoor import grpc as grpc_side
+from batchstring.frontdoor.auth import ApiKeys
+from batchstring.frontdoor.chat import ChatTemplate
+from batchstring.frontdoor.http import Upstream, make_app, make_metrics_app
+from batchstring.frontdoor.limits import Limits
+from batchstring.frontdoor.openai_api import OpenAIRoutes
 
 UNREADY_EXIT = 3
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m frontdoor", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m batchstring.frontdoor", description=__doc__.splitlines()[0])
     p.add_argument("--host", default="127.0.0.1", help="address of the public ports (default: loopback only)")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from client import AsyncBatchClient, Completion
-from client import openai_format as fmt
-from client.protocol import Piece
-from frontdoor.chat import ChatTemplate
+from batchstring.client import AsyncBatchClient, Completion
+from batchstring.client import openai_format as fmt
+from batchstring.client.protocol import Piece
+from batchstring.frontdoor.chat import ChatTemplate
 
 MAX_PROMPTS = 256  # prompts in one completion request (each is one request to Triton)
 

@@ -36,14 +36,14 @@ import numpy as np
 from rich.console import Console
 from tqdm import tqdm
 
-from client import AsyncBatchClient
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.sampling import SamplingParams
-from export.layout import MODEL_VERSION_DIR
-from loadtest.workload import Item, mixed
-from server.local import LocalServer
-from server.stats import batch_stats, metrics
+from batchstring.client import AsyncBatchClient
+from batchstring.engine.config import EngineConfig
+from batchstring.engine.engine import Engine
+from batchstring.engine.sampling import SamplingParams
+from batchstring.export.layout import MODEL_VERSION_DIR
+from batchstring.loadtest.workload import Item, mixed
+from batchstring.server.local import LocalServer
+from batchstring.server.stats import batch_stats, metrics
 
 CONCURRENCY = (1, 4, 16, 64)
 STREAM_EVERY = 4
@@ -170,7 +170,7 @@ class SeedAsyncio:
         self.extra: dict = {}
 
     def measure(self, items: list[Item], concurrency: int) -> tuple[list[Sample], float]:
-        from loadtest.seed_batcher import SeedBatcher
+        from batchstring.loadtest.seed_batcher import SeedBatcher
 
         async def run():
             async with SeedBatcher(self.engine) as batcher:
@@ -189,7 +189,7 @@ class HFGenerateSystem:
     """Padded static batches of `concurrency` prompts through Hugging Face generate."""
 
     def __init__(self) -> None:
-        from loadtest.hf_generate import HFGenerate
+        from batchstring.loadtest.hf_generate import HFGenerate
 
         self.hf = HFGenerate()
         self.extra: dict = {}
@@ -238,7 +238,7 @@ def build(system: str, args: argparse.Namespace):
 
 
 def run_scenario(args: argparse.Namespace) -> int:
-    from loadtest import scenarios
+    from batchstring.loadtest import scenarios
 
     console = Console(width=160)
     repeats = args.repeats or 5
@@ -246,7 +246,7 @@ def run_scenario(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=2 * repeats, desc=args.scenario, unit="run")
     started = time.monotonic()
-    from server.serve import parse_params
+    from batchstring.server.serve import parse_params
 
     outcomes = scenarios.run_scenario(args.scenario, repeats, args.seed, progress=bar.update,
                                       params=parse_params(args.param))
@@ -300,7 +300,7 @@ def run(args: argparse.Namespace) -> int:
     for p in points:
         if p.system.startswith("ceiling"):
             p.p50_s = p.p90_s = p.p99_s = float("nan")  # a throughput reference, not a latency
-    from loadtest.report import markdown_table, plot
+    from batchstring.loadtest.report import markdown_table, plot
 
     meta = {"command": " ".join(["batchstring", "bench", *(["--quick"] if args.quick else [])]),
             "queue_delay_us": args.queue_delay_us, "repeats": repeats,

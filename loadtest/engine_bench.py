@@ -27,15 +27,15 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from engine.batch import Work, build_step
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.output import RequestOutput
-from engine.sampling import SamplingParams
-from engine.sequence import Sequence
-from export.layout import MODEL_VERSION_DIR
-from loadtest import host_overhead, interference
-from loadtest.workload import Item, mixed
+from batchstring.engine.batch import Work, build_step
+from batchstring.engine.config import EngineConfig
+from batchstring.engine.engine import Engine
+from batchstring.engine.output import RequestOutput
+from batchstring.engine.sampling import SamplingParams
+from batchstring.engine.sequence import Sequence
+from batchstring.export.layout import MODEL_VERSION_DIR
+from batchstring.loadtest import host_overhead, interference
+from batchstring.loadtest.workload import Item, mixed
 
 MODES = ("static", "continuous")
 CEILING_BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -161,8 +161,8 @@ def vocab_model(path: Path | None) -> Path:
     root = Path("results") / "vocab128k"
     exported = root / "exported"
     if not (exported / "runtime.json").exists():
-        from export.exporter import export_model
-        from export.synthetic import random_checkpoint, small_llama_config
+        from batchstring.export.exporter import export_model
+        from batchstring.export.synthetic import random_checkpoint, small_llama_config
 
         checkpoint = random_checkpoint(root / "checkpoint", small_llama_config(VOCAB))
         export_model(checkpoint, exported)

@@ -23,11 +23,11 @@ import venv
 import zipfile
 from pathlib import Path
 
-from client import AsyncBatchClient
-from export.layout import DEFAULT_MODEL_DIR, REPO_ROOT
-from loadtest.workload import mixed
-from server.local import LocalServer
-from server.stats import metrics
+from batchstring.client import AsyncBatchClient
+from batchstring.export.layout import DEFAULT_MODEL_DIR, REPO_ROOT
+from batchstring.loadtest.workload import mixed
+from batchstring.server.local import LocalServer
+from batchstring.server.stats import metrics
 
 TOOLS = REPO_ROOT / ".venv-genai-perf"
 GENAI_PERF = "genai-perf==0.0.16"

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from export.layout import DEFAULT_MODEL_DIR
-from loadtest.workload import Item
+from batchstring.export.layout import DEFAULT_MODEL_DIR
+from batchstring.loadtest.workload import Item
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.output import RequestOutput
-from engine.sampling import SamplingParams
-from loadtest.workload import mixed
+from batchstring.engine.config import EngineConfig
+from batchstring.engine.engine import Engine
+from batchstring.engine.output import RequestOutput
+from batchstring.engine.sampling import SamplingParams
+from batchstring.loadtest.workload import mixed
 
 LONG = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 

@@ -20,7 +20,7 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
-from server.local import LocalServer
+from batchstring.server.local import LocalServer
 
 PROMPTS = [f"def task_{i}(items):\n    " for i in range(64)]
 

@@ -59,7 +59,7 @@ PROMPTS: list[str] = []
 def _load_prompts(environment, **_) -> None:
     source = environment.parsed_options.prompts
     if source == "stdlib":
-        from loadtest.workload import mixed
+        from batchstring.loadtest.workload import mixed
 
         PROMPTS[:] = [item.prompt for item in mixed(256, seed=1)]
     else:

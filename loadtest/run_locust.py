@@ -16,7 +16,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from server.local import LocalServer
+from batchstring.server.local import LocalServer
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 

@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from client import AsyncBatchClient
-from client.protocol import GenerationOptions, build_request
-from engine.tokenizer import TextCodec
-from export.layout import MODEL_VERSION_DIR
-from loadtest.workload import source_tokens
-from server.local import LocalServer
+from batchstring.client import AsyncBatchClient
+from batchstring.client.protocol import GenerationOptions, build_request
+from batchstring.engine.tokenizer import TextCodec
+from batchstring.export.layout import MODEL_VERSION_DIR
+from batchstring.loadtest.workload import source_tokens
+from batchstring.server.local import LocalServer
 
 STREAM_EVERY = 4
 SCENARIOS = {"shared-prefix": ("enable_prefix_caching", "prefix caching")}

@@ -13,8 +13,8 @@ import asyncio
 import contextlib
 from dataclasses import dataclass
 
-from engine.engine import Engine
-from engine.sampling import SamplingParams
+from batchstring.engine.engine import Engine
+from batchstring.engine.sampling import SamplingParams
 
 MAX_BATCH = 16
 TIMEOUT_S = 0.050

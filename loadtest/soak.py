@@ -24,9 +24,9 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
-from client import BatchClient, DeadlineExceeded, ItemError
-from server.local import LocalServer
-from server.supervisor import Supervisor
+from batchstring.client import BatchClient, DeadlineExceeded, ItemError
+from batchstring.server.local import LocalServer
+from batchstring.server.supervisor import Supervisor
 
 MARKER = "<<soak-poison>>"
 POOL = [f"def task_{i}(self, value):\n    " for i in range(64)]
@@ -159,7 +159,7 @@ def _break_engine(server: LocalServer, every: float, deadline: float, stop: thre
     import urllib.error
     import urllib.request
 
-    from client import RetryPolicy
+    from batchstring.client import RetryPolicy
 
     kinds = ("loop", "stall", "device")
     n = 0

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.tokenizer import TextCodec
-from export.layout import MODEL_VERSION_DIR
+from batchstring.engine.tokenizer import TextCodec
+from batchstring.export.layout import MODEL_VERSION_DIR
 
 SOURCE_FILES = ("argparse.py", "textwrap.py", "json/decoder.py", "csv.py", "dataclasses.py")
 

@@ -19,9 +19,18 @@ from pathlib import Path
 
 import psutil
 
-from export.layout import MODEL_VERSION_DIR, missing_artifacts
-from server.repository import MODEL, ConfigEdit, write_overlay
-from server.triton import DEFAULT_REPOSITORY, EXIT_TIMEOUT_SECS, TLS, Ports, ServerCommand, Sockets, TritonInstall
+from batchstring.client.defaults import MODEL
+from batchstring.export.layout import MODEL_VERSION_DIR, missing_artifacts
+from batchstring.server.repository import ConfigEdit, write_overlay
+from batchstring.server.triton import (
+    DEFAULT_REPOSITORY,
+    EXIT_TIMEOUT_SECS,
+    TLS,
+    Ports,
+    ServerCommand,
+    Sockets,
+    TritonInstall,
+)
 
 STUB_NAME = "triton_python_backend_stub"
 
@@ -58,7 +67,7 @@ class LocalServer:
     log_path: Path | None = None
     max_body_bytes: int | None = None  # front door limits (None: its defaults)
     max_message_bytes: int | None = None
-    front_door_options: tuple[str, ...] = ()  # more `python -m frontdoor` flags (OpenAI API, API keys)
+    front_door_options: tuple[str, ...] = ()  # more `python -m batchstring.frontdoor` flags (OpenAI API, API keys)
     environment: dict[str, str] = field(default_factory=dict)  # more variables for tritonserver's environment
     process: subprocess.Popen | None = field(default=None, init=False)
     front: subprocess.Popen | None = field(default=None, init=False)
@@ -69,7 +78,7 @@ class LocalServer:
         self.ports = self.ports or Ports(*free_ports())
         self._workdir = Path(tempfile.mkdtemp(prefix="batchstring-server-"))
         self.sockets = Sockets(self._workdir / "triton")  # tritonserver's own endpoints, private
-        self.log_path = self.log_path or self._workdir / "server.log"
+        self.log_path = self.log_path or self._workdir / "batchstring.server.log"
 
     # ----- addresses ---------------------------------------------------------------------------
 
@@ -100,7 +109,7 @@ class LocalServer:
                              sockets=self.sockets, config_name=config_name)
 
     def front_door_command(self) -> list[str]:
-        argv = [sys.executable, "-m", "frontdoor", "--host", self.host, "--http-port", str(self.ports.http),
+        argv = [sys.executable, "-m", "batchstring.frontdoor", "--host", self.host, "--http-port", str(self.ports.http),
                 "--grpc-port", str(self.ports.grpc), "--metrics-port", str(self.ports.metrics),
                 "--triton-http", str(self.sockets.http), "--triton-grpc", self.sockets.grpc_target,
                 "--triton-metrics", str(self.sockets.metrics), "--triton-pid", str(self.process.pid),

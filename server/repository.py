@@ -14,9 +14,9 @@ from pathlib import Path
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from server.triton import DEFAULT_REPOSITORY
+from batchstring.client.defaults import MODEL
+from batchstring.server.triton import DEFAULT_REPOSITORY
 
-MODEL = "llm"
 ConfigEdit = Callable[[model_config_pb2.ModelConfig], None]
 
 

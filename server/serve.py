@@ -9,10 +9,10 @@ import sys
 import threading
 from pathlib import Path
 
-from server.local import LocalServer, ServerError
-from server.repository import parameters
-from server.supervisor import Supervisor
-from server.triton import DEFAULT_REPOSITORY, TLS, Ports, TritonNotFound
+from batchstring.server.local import LocalServer, ServerError
+from batchstring.server.repository import parameters
+from batchstring.server.supervisor import Supervisor
+from batchstring.server.triton import DEFAULT_REPOSITORY, TLS, Ports, TritonNotFound
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def banner(server: LocalServer) -> str:
-    from server.repository import load_config
+    from batchstring.server.repository import load_config
 
     config = load_config(server.repository, "cpu" if server.config == "cpu" else None)
     engine = {**parameters(config), **server.params}

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from tritonclient.grpc import InferenceServerClient
 
-from server.repository import MODEL
+from batchstring.client.defaults import MODEL
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from server.local import LocalServer, ServerError
+from batchstring.server.local import LocalServer, ServerError
 
 
 @dataclass

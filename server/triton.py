@@ -15,7 +15,7 @@ import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from export.layout import REPO_ROOT
+from batchstring.export.layout import REPO_ROOT
 
 DEFAULT_REPOSITORY = REPO_ROOT / "model_repository"
 EXIT_TIMEOUT_SECS = 30

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from export.layout import MODEL_VERSION_DIR, missing_artifacts
+from batchstring.export.layout import MODEL_VERSION_DIR, missing_artifacts
+
+# The command lines tests run, from this checkout (no install needed for these)
+BATCHSTRING = [sys.executable, "-m", "batchstring.cli"]
+FRONTDOOR = [sys.executable, "-m", "batchstring.frontdoor"]
 
 LOG_DIR = Path(__file__).parent / "logs"
 FAULT_MARKER = "<<poison>>"
@@ -18,7 +23,7 @@ FAULT_MARKER = "<<poison>>"
 def model_dir() -> Path:
     """The exported default model (`make test` exports it first; exported here if missing)."""
     if missing_artifacts(MODEL_VERSION_DIR):
-        from export.exporter import export_model
+        from batchstring.export.exporter import export_model
 
         export_model()
     return MODEL_VERSION_DIR
@@ -34,7 +39,7 @@ def pytest_runtest_makereport(item, call):
 
 def start_server(request: pytest.FixtureRequest, name: str, **kwargs):
     """A LocalServer whose log is kept under tests/logs/ if anything in the session failed."""
-    from server.local import LocalServer
+    from batchstring.server.local import LocalServer
 
     server = LocalServer(**kwargs).start()
 
@@ -55,7 +60,7 @@ def metric_reaches(metrics_url: str, name: str, minimum: float, timeout: float =
     """The engine publishes metrics twice a second: poll until `name` >= minimum (or time out)."""
     import time
 
-    from server.stats import metrics
+    from batchstring.server.stats import metrics
 
     deadline = time.monotonic() + timeout
     while True:
@@ -70,7 +75,7 @@ def staggered(url: str, prompts: list[str], max_tokens: int) -> list[str]:
     moments: what batch invariance is checked against."""
     import asyncio
 
-    from client import AsyncBatchClient
+    from batchstring.client import AsyncBatchClient
 
     async def run() -> list[str]:
         async with AsyncBatchClient(url) as aio:
@@ -91,7 +96,7 @@ def server(request, model_dir):
 
 @pytest.fixture(scope="session")
 def client(server) -> Iterator:
-    from client import BatchClient
+    from batchstring.client import BatchClient
 
     with BatchClient(server.grpc_url) as c:
         yield c

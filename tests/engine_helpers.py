@@ -6,11 +6,11 @@ import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.output import RequestOutput
-from engine.sampling import SamplingParams
-from engine.sequence import Sequence
+from batchstring.engine.config import EngineConfig
+from batchstring.engine.engine import Engine
+from batchstring.engine.output import RequestOutput
+from batchstring.engine.sampling import SamplingParams
+from batchstring.engine.sequence import Sequence
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 

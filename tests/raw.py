@@ -9,8 +9,9 @@ import numpy as np
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import serialize_byte_tensor
 
-from client.connection import Connection
-from client.protocol import MODEL, Piece
+from batchstring.client.connection import Connection
+from batchstring.client.defaults import MODEL
+from batchstring.client.protocol import Piece
 
 
 @dataclass(frozen=True)

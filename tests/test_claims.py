@@ -17,8 +17,8 @@ import psutil
 import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from client import AsyncBatchClient, BatchClient
-from server.stats import metrics
+from batchstring.client import AsyncBatchClient, BatchClient
+from batchstring.server.stats import metrics
 from tests.conftest import FAULT_MARKER, metric_reaches, staggered, start_server
 from tests.engine_helpers import alone, engine, varied_prompts
 
@@ -108,7 +108,7 @@ def http_json(url: str, body: dict) -> bytes:
 
 
 def test_http_generate_returns_prompt_and_completion_by_default_with_counts(server, client, model_dir):
-    from engine.tokenizer import TextCodec
+    from batchstring.engine.tokenizer import TextCodec
 
     codec = TextCodec.from_file(model_dir / "tokenizer.json")
     for prompt in PROMPTS[:3]:

@@ -6,15 +6,13 @@ import json
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 
-from server.local import free_ports
-
-BATCHSTRING = [sys.executable, "-m", "cli"]
+from batchstring.server.local import free_ports
+from tests.conftest import BATCHSTRING
 
 
 def test_run_prints_completions(server, client):

@@ -22,12 +22,12 @@ import pytest
 import yaml
 from google.protobuf import text_format
 
-from client import BatchClient, ItemError
-from server.local import LocalServer, ServerError, free_ports
-from server.repository import load_config
-from server.stats import batch_stats, metrics
-from server.triton import TritonInstall
-from tests.conftest import metric_reaches, start_server
+from batchstring.client import BatchClient, ItemError
+from batchstring.server.local import LocalServer, ServerError, free_ports
+from batchstring.server.repository import load_config
+from batchstring.server.stats import batch_stats, metrics
+from batchstring.server.triton import TritonInstall
+from tests.conftest import BATCHSTRING, metric_reaches, start_server
 
 DOCKER = Path(__file__).resolve().parent.parent / "docker"
 BIN = Path(sys.executable).parent
@@ -102,13 +102,13 @@ def test_gpu_config_is_the_cpu_config_but_for_the_instance_kind_and_a_memory_siz
 
 
 def test_gpu_check_dry_run_checks_the_plan_and_the_real_run_needs_a_gpu(model_dir):
-    dry = subprocess.run([sys.executable, "-m", "cli", "gpu-check", "--dry-run"], capture_output=True, text=True,
+    dry = subprocess.run([*BATCHSTRING, "gpu-check", "--dry-run"], capture_output=True, text=True,
                          timeout=120)
     assert dry.returncode == 0, dry.stdout + dry.stderr
     for step in ("environment", "export float16", "numerics on the device", "host time", "serving"):
         assert step in dry.stdout
     if not (shutil.which("nvidia-smi") and subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0):
-        real = subprocess.run([sys.executable, "-m", "cli", "gpu-check"], capture_output=True, text=True, timeout=120)
+        real = subprocess.run([*BATCHSTRING, "gpu-check"], capture_output=True, text=True, timeout=120)
         assert real.returncode == 2 and "no GPU visible" in real.stderr
 
 
@@ -214,7 +214,7 @@ def test_client_spreads_across_two_servers_and_skips_one_that_goes_away(request,
 
 
 def test_discovery_expands_a_name_to_every_address(monkeypatch):
-    from client.aio import discover
+    from batchstring.client.aio import discover
 
     def fake(host, port, type=0):
         assert host == "batchstring-headless.default.svc"

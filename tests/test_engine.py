@@ -7,11 +7,11 @@ import time
 import numpy as np
 import pytest
 
-from engine.batch import sampling_inputs
-from engine.engine import CANCEL_CHECK_SECONDS
-from engine.errors import InvalidRequest
-from engine.sampling import SamplingParams
-from engine.sequence import Status
+from batchstring.engine.batch import sampling_inputs
+from batchstring.engine.engine import CANCEL_CHECK_SECONDS
+from batchstring.engine.errors import InvalidRequest
+from batchstring.engine.sampling import SamplingParams
+from batchstring.engine.sequence import Status
 from tests.engine_helpers import GREEDY, Collector, alone, engine, varied_prompts
 
 POISON = "<<poison>>"

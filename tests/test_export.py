@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-from export import artifacts
-from export.step import DecoderStep, UnsupportedModel, check_supported
-from export.verify import VerificationError
+from batchstring.export import artifacts
+from batchstring.export.step import DecoderStep, UnsupportedModel, check_supported
+from batchstring.export.verify import VerificationError
+from tests.conftest import BATCHSTRING
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def tiny_checkpoint(tmp_path_factory, model_dir):
 @pytest.fixture(scope="module")
 def exported_tiny(tiny_checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny-export")
-    result = subprocess.run([sys.executable, "-m", "cli", "export", "--model", str(tiny_checkpoint), "--out", str(out)],
+    result = subprocess.run([*BATCHSTRING, "export", "--model", str(tiny_checkpoint), "--out", str(out)],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     return out, result.stdout
@@ -55,7 +55,7 @@ def test_dynamic_axes_are_really_dynamic(exported_tiny, tiny_checkpoint):
     import onnxruntime as ort
     from transformers import AutoModelForCausalLM
 
-    from export.verify import Row, Sampling, pack
+    from batchstring.export.verify import Row, Sampling, pack
 
     out, _ = exported_tiny
     session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
@@ -84,8 +84,8 @@ def test_dynamic_axes_are_really_dynamic(exported_tiny, tiny_checkpoint):
 def test_verification_catches_perturbed_weights(tiny_checkpoint):
     from transformers import AutoModelForCausalLM
 
-    from export.exporter import _eager, report
-    from export.verify import verify_logits
+    from batchstring.export.exporter import _eager, report
+    from batchstring.export.verify import verify_logits
 
     reference = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, attn_implementation="eager").eval()
     perturbed = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, attn_implementation="eager").eval()
@@ -101,7 +101,7 @@ def test_unsupported_architectures_are_refused_with_the_reason(tmp_path):
 
     GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path)
     (tmp_path / "tokenizer.json").write_text("{}")
-    command = [sys.executable, "-m", "cli", "export", "--model", str(tmp_path), "--out", str(tmp_path / "o")]
+    command = [*BATCHSTRING, "export", "--model", str(tmp_path), "--out", str(tmp_path / "o")]
     out = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert out.returncode == 1
     assert "'gpt2' is not supported" in out.stderr and "llama" in out.stderr
@@ -130,16 +130,16 @@ def test_a_bfloat16_export_records_its_dtype_the_checkpoints_eos_ids_and_samplin
                                                                                            tmp_path):
     import shutil
 
-    from engine.config import EngineConfig
-    from engine.engine import Engine
-    from engine.sampling import SamplingParams
+    from batchstring.engine.config import EngineConfig
+    from batchstring.engine.engine import Engine
+    from batchstring.engine.sampling import SamplingParams
 
     source = tmp_path / "llama3-style"
     shutil.copytree(tiny_checkpoint, source)
     (source / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": [0, 5, 7], "bos_token_id": 0, "do_sample": True, "temperature": 0.6, "top_p": 0.9}))
     out = tmp_path / "export"
-    result = subprocess.run([sys.executable, "-m", "cli", "export", "--model", str(source), "--out", str(out),
+    result = subprocess.run([*BATCHSTRING, "export", "--model", str(source), "--out", str(out),
                              "--dtype", "bfloat16"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     spec = json.loads((out / "runtime.json").read_text())
@@ -156,8 +156,8 @@ def test_a_bfloat16_export_records_its_dtype_the_checkpoints_eos_ids_and_samplin
 
 
 def test_kv_cache_auto_takes_whole_blocks_of_the_free_memory_and_refuses_less_than_one_context():
-    from engine.config import AUTO, EngineConfig
-    from engine.memory import auto_cache_tokens
+    from batchstring.engine.config import AUTO, EngineConfig
+    from batchstring.engine.memory import auto_cache_tokens
 
     assert EngineConfig.from_parameters({"kv_cache_tokens": "auto"}, model_dir=".").kv_cache_tokens == AUTO
     gib = 2**30

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from client import BatchClient, BatchError, DeadlineExceeded, ItemError, RetryPolicy
-from server.local import LocalServer
-from server.stats import metrics
-from server.supervisor import Supervisor
-from server.triton import TLS
+from batchstring.client import BatchClient, BatchError, DeadlineExceeded, ItemError, RetryPolicy
+from batchstring.server.local import LocalServer
+from batchstring.server.stats import metrics
+from batchstring.server.supervisor import Supervisor
+from batchstring.server.triton import TLS
 from tests.conftest import FAULT_MARKER, metric_reaches, start_server
 
 POOL = [f"def handler_{i}(request):\n    " for i in range(24)]

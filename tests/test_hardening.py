@@ -17,10 +17,10 @@ import grpc
 import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from client import AsyncBatchClient, BatchClient, DeadlineExceeded, ItemError, RetryPolicy
-from client.errors import INVALID_ARGUMENT, UNAVAILABLE
-from server.stats import metrics
-from server.supervisor import Supervisor
+from batchstring.client import AsyncBatchClient, BatchClient, DeadlineExceeded, ItemError, RetryPolicy
+from batchstring.client.errors import INVALID_ARGUMENT, UNAVAILABLE
+from batchstring.server.stats import metrics
+from batchstring.server.supervisor import Supervisor
 from tests.conftest import FAULT_MARKER, metric_reaches, start_server
 
 POOL = [f"def worker_{i}(job):\n    " for i in range(16)]

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from client.jobs import Item, Malformed, _cut_partial_line, check_file, done_ids, id_hash, output_line
-from client.protocol import Completion
+from batchstring.client.jobs import Item, Malformed, _cut_partial_line, check_file, done_ids, id_hash, output_line
+from batchstring.client.protocol import Completion
 
 BATCHSTRING = str(Path(sys.executable).parent / "batchstring")
 PROMPTS = [f"def handler_{i}(event):\n    " for i in range(40)]

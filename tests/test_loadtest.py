@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import csv
 import subprocess
-import sys
 
-from loadtest.run_locust import read_summary
+from batchstring.loadtest.run_locust import read_summary
+from tests.conftest import BATCHSTRING
 
 
 def test_locust_smoke_run_has_requests_and_no_failures(server, tmp_path):
     out = tmp_path / "locust"
     result = subprocess.run(
-        [sys.executable, "-m", "cli", "loadtest", "--http-url", server.http_url, "--duration", "12", "--users", "8",
+        [*BATCHSTRING, "loadtest", "--http-url", server.http_url, "--duration", "12", "--users", "8",
          "--max-tokens", "8-24", "--out", str(out)],
         capture_output=True, text=True, timeout=120,
     )

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -17,8 +16,9 @@ import urllib.request
 import openai
 import pytest
 
-from frontdoor.auth import ENV
-from server.local import free_ports
+from batchstring.frontdoor.auth import ENV
+from batchstring.server.local import free_ports
+from tests.conftest import FRONTDOOR
 
 PROMPTS = ["def parse(line):\n    ", "import os\nimport ", "class Config:\n    def __init__(self"]
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -101,7 +101,7 @@ def keyed(server, tmp_path_factory):
     http, grpc_port, metrics = free_ports()
     sockets = server.sockets
     env = {**os.environ, ENV: f"other-key,{KEY}"}
-    door = subprocess.Popen([sys.executable, "-m", "frontdoor", "--http-port", str(http), "--grpc-port", str(grpc_port),
+    door = subprocess.Popen([*FRONTDOOR, "--http-port", str(http), "--grpc-port", str(grpc_port),
                              "--metrics-port", str(metrics), "--triton-http", str(sockets.http),
                              "--triton-grpc", sockets.grpc_target, "--triton-metrics", str(sockets.metrics),
                              "--chat-template", str(template)], env=env,

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from engine.output import OutputStream
-from engine.sampling import SamplingParams
-from engine.tokenizer import TextCodec
+from batchstring.engine.output import OutputStream
+from batchstring.engine.sampling import SamplingParams
+from batchstring.engine.tokenizer import TextCodec
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine.errors import InvalidRequest
-from engine.sampling import SamplingParams, parse_sampling_parameters
-from export.sampler import SamplingHead
-from export.verify import NEAR_TIE, Sampling, reference_sample
+from batchstring.engine.errors import InvalidRequest
+from batchstring.engine.sampling import SamplingParams, parse_sampling_parameters
+from batchstring.export.sampler import SamplingHead
+from batchstring.export.verify import NEAR_TIE, Sampling, reference_sample
 
 
 def parse(obj) -> SamplingParams:
@@ -149,7 +149,7 @@ def test_top_k_and_top_p_restrict_the_support_and_temperature_follows_the_distri
 
 
 def test_the_checkpoints_sampling_defaults_apply_only_to_what_a_request_leaves_out():
-    from engine.sampling import parse_sampling_parameters
+    from batchstring.engine.sampling import parse_sampling_parameters
 
     defaults = {"temperature": 0.6, "top_p": 0.9, "top_k": 50}
     left_out = parse_sampling_parameters('{"max_tokens": 4}', 512, 16, defaults=defaults)

@@ -10,12 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.policy import policy_for
-from engine.sampling import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, Status
+from batchstring.engine.block_manager import BlockManager
+from batchstring.engine.config import EngineConfig
+from batchstring.engine.policy import policy_for
+from batchstring.engine.sampling import SamplingParams
+from batchstring.engine.scheduler import Scheduler
+from batchstring.engine.sequence import Sequence, Status
 
 EOS = 0
 _fresh = itertools.count(1000)
@@ -248,7 +248,7 @@ def test_admission_cap_after_a_size_failure_limits_admissions_only_and_recovers(
     assert len(fake_step(sched)) == 2 + 4, "a step admits at most the lowered cap"
     assert len(fake_step(sched)) == 6 + 2, "and the next one the rest, up to max_num_seqs"
     assert len(fake_step(sched)) == 8, "every running sequence decodes: the cap never limits them"
-    import engine.scheduler as module
+    import batchstring.engine.scheduler as module
 
     now = module.time.monotonic()
     monkeypatch.setattr(module.time, "monotonic", lambda: now + 11)

@@ -9,8 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from client import AsyncBatchClient, BatchClient, BatchError, DeadlineExceeded, ItemError
-from server.stats import batch_stats, metrics
+from batchstring.client import AsyncBatchClient, BatchClient, BatchError, DeadlineExceeded, ItemError
+from batchstring.server.stats import batch_stats, metrics
 from tests.conftest import FAULT_MARKER, metric_reaches, staggered, start_server
 from tests.engine_helpers import alone, engine, varied_prompts
 
@@ -26,8 +26,8 @@ def hf_reference(model_dir, prompts):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engine.tokenizer import TextCodec
-    from export.layout import DEFAULT_MODEL_DIR
+    from batchstring.engine.tokenizer import TextCodec
+    from batchstring.export.layout import DEFAULT_MODEL_DIR
 
     model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float32).eval()
     codec = TextCodec.from_file(model_dir / "tokenizer.json")
@@ -162,7 +162,7 @@ def test_torchscript_runtime_serves_the_same_completions(torchscript_server, cli
 
 
 def test_a_seeded_sampled_request_is_the_same_alone_and_among_forty_others_through_triton(model_dir, server):
-    from engine.sampling import SamplingParams
+    from batchstring.engine.sampling import SamplingParams
 
     sampling = {"temperature": 1.0, "top_p": 0.95, "seed": 4321}
     prompt = "def parse_header(line):\n"

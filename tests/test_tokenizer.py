@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.tokenizer import TextCodec
+from batchstring.engine.tokenizer import TextCodec
 
 TRICKY = [
     "",

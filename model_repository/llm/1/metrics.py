@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 
-from engine.stats import EngineStats
+from batchstring.engine.stats import EngineStats
 
 PUBLISH_SECONDS = 0.5
 

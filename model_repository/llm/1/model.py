@@ -31,10 +31,10 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 from metrics import MetricsPublisher  # noqa: E402
 from responder import Responder, error  # noqa: E402
 
-from engine.config import EngineConfig  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from engine.errors import InvalidRequest  # noqa: E402
-from engine.sampling import parse_sampling_parameters  # noqa: E402
+from batchstring.engine.config import EngineConfig  # noqa: E402
+from batchstring.engine.engine import Engine  # noqa: E402
+from batchstring.engine.errors import InvalidRequest  # noqa: E402
+from batchstring.engine.sampling import parse_sampling_parameters  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 

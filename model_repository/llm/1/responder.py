@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from engine.output import RequestOutput
+from batchstring.engine.output import RequestOutput
 
 # How often each live request is asked whether its client cancelled (~50 us per question).
 CANCEL_POLL_SECONDS = 0.5

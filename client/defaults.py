@@ -1,0 +1,8 @@
+"""Names and limits the client and the server share: one home for each."""
+
+MODEL = "llm"  # the Triton model every request goes to
+DEFAULT_URL = "localhost:8001"
+DEFAULT_MAX_TOKENS = 64
+MAX_MESSAGE_BYTES = 2**20  # the front door refuses larger gRPC messages (--max-message-bytes)
+MAX_INPUT_BYTES = 16384  # text_input larger than this is refused by the model (max_input_bytes)
+API_KEY_ENV = "BATCHSTRING_API_KEY"  # the key a server with API keys wants (never on a command line)

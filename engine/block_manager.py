@@ -6,8 +6,15 @@ The cache arrays themselves live in the runner; this class hands out block numbe
 them in a table (one row per sequence holding blocks) that the step builder reads in one go.
 
 Automatic prefix caching: a block full of computed tokens is known by a hash of its tokens and
-of the blocks before it. A sequence whose tokens start with known blocks reuses them (reference
-counted) and computes only the rest. A block nobody uses any more keeps its contents and its
+of the blocks before it: BLAKE2b, keyed by the sequence's `cache_salt` (the front door derives it
+from the caller's API key and an optional per-request salt). A predictable hash (Python's `hash()`
+of token ids) would let a crafted prompt collide with another tenant's block and read or poison
+it (CVE-2025-25183 in vLLM); a keyed cryptographic one makes collisions infeasible and keeps each
+tenant's blocks out of every other tenant's reach, so not even time to first token tells one
+tenant what another has cached.
+
+A sequence whose tokens start with known blocks reuses them (reference counted) and computes
+only the rest. A block nobody uses any more keeps its contents and its
 hash until its space is needed: free blocks without contents are handed out first, then cached
 ones, least recently freed first. Shared blocks are only ever full ones, and a sequence always
 computes at least its last token, so nobody writes into a block another sequence reads.
@@ -15,6 +22,8 @@ computes at least its last token, so nobody writes into a block another sequence
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 
 import numpy as np
@@ -33,9 +42,9 @@ class BlockManager:
         self._plain = list(range(num_blocks - 1, -1, -1))  # free, no contents; pop() hands out low numbers first
         self._cached: OrderedDict[int, None] = OrderedDict()  # free with contents, least recently freed first
         self._refs = [0] * num_blocks
-        self._hash: list[int | None] = [None] * num_blocks
+        self._hash: list[bytes | None] = [None] * num_blocks
         self._tokens: list[tuple[int, ...] | None] = [None] * num_blocks
-        self._by_hash: dict[int, int] = {}
+        self._by_hash: dict[bytes, int] = {}
         self.table = np.zeros((max_rows, self.blocks_for(max_tokens_per_seq)), np.int64)
         self._free_rows = list(range(max_rows - 1, -1, -1))
         # position -> (block index in the sequence's table, offset in the block), computed once
@@ -142,10 +151,10 @@ class BlockManager:
     def _lookup(self, seq: Sequence) -> list[int]:
         """Cached blocks that equal the sequence's leading full blocks, short of its last token
         (which must be computed: its logits give the next token)."""
-        hits, parent = [], None
+        hits, parent = [], b""
         for i in range((seq.num_tokens - 1) // self.block_size):
             tokens = seq.token_slice(i * self.block_size, (i + 1) * self.block_size)
-            parent = hash((parent, tokens))
+            parent = block_key(parent, tokens, seq.cache_salt)
             block = self._by_hash.get(parent)
             if block is None or self._tokens[block] != tokens:  # a hash collision is a miss
                 break
@@ -158,9 +167,18 @@ class BlockManager:
         while len(seq.block_hashes) < seq.num_cached // size:
             i = len(seq.block_hashes)
             tokens = seq.token_slice(i * size, (i + 1) * size)
-            parent = hash((seq.block_hashes[-1] if i else None, tokens))
+            parent = block_key(seq.block_hashes[-1] if i else b"", tokens, seq.cache_salt)
             seq.block_hashes.append(parent)
             block = seq.blocks[i]
             if self._hash[block] is None:
                 self._hash[block], self._tokens[block] = parent, tokens
                 self._by_hash.setdefault(parent, block)
+
+
+def block_key(parent: bytes, tokens: tuple[int, ...], salt: bytes) -> bytes:
+    """The key of a full block: 128 bits of BLAKE2b over the previous block's key and this block's
+    tokens, keyed by the salt (BLAKE2b's key is at most 64 bytes, so a longer salt is hashed first)."""
+    key = salt if len(salt) <= 64 else hashlib.blake2b(salt).digest()
+    digest = hashlib.blake2b(parent, digest_size=16, key=key)
+    digest.update(array("q", tokens).tobytes())
+    return digest.digest()

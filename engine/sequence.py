@@ -36,7 +36,8 @@ class Sequence:
     deadline: float | None = None  # time.monotonic() after which nobody will read the answer
     output_ids: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # prefix-cache keys of its leading full blocks
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache keys of its leading full blocks
+    cache_salt: bytes = b""  # keys its prefix-cache blocks: only sequences with the same salt share them
     row: int | None = None  # its row in the block manager's table while it holds blocks
     num_cached: int = 0  # leading tokens whose K/V are in the cache
     status: Status = Status.WAITING

@@ -42,6 +42,8 @@ class SamplingHead(nn.Module):
         self.top_n = min(TOP_LOGPROBS, self.candidates)
         self.blocks = -(-vocab_size // BLOCK)
         self.register_buffer("eos_mask", _mask(vocab_size, eos_ids), persistent=False)
+        # a buffer, not an arange in forward: it moves with the weights (see export/step.py)
+        self.register_buffer("rank", torch.arange(self.candidates)[None, :], persistent=False)
         # ids the tokenizer does not have, inside the vocabulary (those past its end are cut off)
         self.register_buffer("never_mask", _mask(vocab_size, never_ids) if never_ids else None, persistent=False)
 
@@ -57,7 +59,7 @@ class SamplingHead(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.never_mask is not None:
             logits = torch.where(self.never_mask[None, :], float("-inf"), logits)
-        banned = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device).index_put(
+        banned = torch.zeros_like(logits[:, 0], dtype=torch.bool).index_put(
             (ban_rows,), torch.ones_like(ban_rows, dtype=torch.bool))
         without_eos = torch.where(self.eos_mask[None, :], float("-inf"), logits[ban_rows])
         greedy = logits.argmax(-1).index_put((ban_rows,), without_eos.argmax(-1))
@@ -73,7 +75,7 @@ class SamplingHead(nn.Module):
         block_mass = full.sum(-1)  # [M, blocks]
         by_vocab = _draw_two_level(full, block_mass, uniform)
         weights = torch.exp((candidates - top) / scale)
-        keep = _top_k_top_p(weights, block_mass.sum(-1), top_k, top_p)
+        keep = _top_k_top_p(weights, block_mass.sum(-1), top_k, top_p, self.rank)
         by_rank = candidate_ids.gather(1, _draw(weights * keep, uniform)[:, None])[:, 0]
         restricted = (top_k > 0) | (top_p < 1)
         sampled = torch.where(restricted, by_rank, by_vocab)
@@ -91,10 +93,10 @@ def _mask(size: int, ids: list[int]) -> torch.Tensor:
 
 
 def _top_k_top_p(weights: torch.Tensor, full_mass: torch.Tensor, top_k: torch.Tensor,
-                 top_p: torch.Tensor) -> torch.Tensor:
-    """Which sorted candidates survive top_k, then top_p over the top_k-renormalised mass."""
+                 top_p: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
+    """Which sorted candidates survive top_k, then top_p over the top_k-renormalised mass;
+    `rank` is [1, candidates]: 0, 1, 2, ..."""
     count = weights.shape[1]
-    rank = torch.arange(count, device=weights.device)[None, :]
     k = torch.where(top_k > 0, torch.clamp(top_k, max=count), torch.full_like(top_k, count))
     in_k = rank < k[:, None]
     kept = weights * in_k

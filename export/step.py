@@ -46,6 +46,12 @@ Why this shape:
   one the attention matmuls consume, so past keys/values are never concatenated or transposed:
   scores for past and new keys are computed apart and joined (they are D times smaller).
 - Keys are cached after the rotary embedding, as HF's cache does.
+- No tensor is created on a device named in the code: a trace records such a device as a
+  constant, and `torch.jit.load(map_location=...)` moves only parameters and buffers. Fixed
+  index tensors are buffers (they move with the weights); everything sized at run time is built
+  from an input (`ones_like(...).cumsum`, `zeros_like`), so one TorchScript file exported on the
+  CPU runs on any device, each Triton instance on its own GPU (tests/test_gpu_path.py proves it
+  on the `meta` device).
 """
 
 from __future__ import annotations
@@ -110,6 +116,7 @@ class DecoderStep(nn.Module):
         self.scaling = attn.scaling
         rotary = inner.rotary_emb
         self.register_buffer("inv_freq", rotary.inv_freq.detach().clone().float(), persistent=False)
+        self.register_buffer("kv_head_index", torch.arange(self.num_kv_heads)[:, None, None], persistent=False)
         self.rope_scale = float(rotary.attention_scaling)
         self.vocab_size = min(vocab_size or self.lm_head.out_features, self.lm_head.out_features)
         self.sampler = SamplingHead(self.vocab_size, list(eos_ids), list(never_ids))
@@ -150,7 +157,7 @@ class DecoderStep(nn.Module):
         num_slots = key_cache.shape[2]
         flat_keys = key_cache.reshape(-1, self.head_dim)
         flat_values = value_cache.reshape(-1, self.head_dim)
-        heads = torch.arange(self.num_kv_heads, device=input_ids.device)[:, None, None] * num_slots
+        heads = self.kv_head_index * num_slots
         new_keys, new_values = [], []
         q_heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         for i, layer in enumerate(self.layers):
@@ -205,14 +212,13 @@ class DecoderStep(nn.Module):
 def _attention_bias(attention_mask: torch.Tensor, new_len: int) -> torch.Tensor:
     """Additive float32 bias [1, B, 1, S, P+S]: padding keys and future new tokens are masked.
 
-    A large finite negative (not -inf) keeps fully padded rows finite instead of NaN.
+    Key positions are a cumulative sum over the mask's own shape (an arange would carry the
+    tracing device). A large finite negative (not -inf) keeps fully padded rows finite instead of NaN.
     """
-    total = attention_mask.shape[1]
-    query_pos = torch.arange(new_len, device=attention_mask.device)[:, None] + (total - new_len)
-    key_pos = torch.arange(total, device=attention_mask.device)[None, :]
-    allowed = (key_pos <= query_pos)[None, :, :] & attention_mask[:, None, :].bool()
-    zero = torch.zeros((), dtype=torch.float32)
-    bias = torch.where(allowed, zero, torch.full((), torch.finfo(torch.float32).min))
+    key_pos = torch.ones_like(attention_mask, dtype=torch.int64).cumsum(1)  # [B, P+S]: 1, 2, ...
+    query_pos = key_pos[:, key_pos.shape[1] - new_len :]  # [B, S]: the new tokens are the last S keys
+    allowed = (key_pos[:, None, :] <= query_pos[:, :, None]) & attention_mask[:, None, :].bool()
+    bias = torch.zeros_like(allowed, dtype=torch.float32).masked_fill(~allowed, torch.finfo(torch.float32).min)
     return bias[None, :, None, :, :]
 
 

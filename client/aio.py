@@ -128,10 +128,15 @@ class AsyncBatchClient:
         logprobs: int | None = None,
         timeout: float | None = None,
         return_exceptions: bool = False,
+        priority: int | None = None,
+        cache_salt: str | None = None,
     ) -> list[Completion | BaseException]:
         """Each input's `Completion` (text, finish reason, token counts, log-probabilities), in order.
 
         `timeout` bounds the whole call, retries included (default: the retry policy's deadline).
+        `priority` is the Triton queue level (protocol.INTERACTIVE, the default, or protocol.BATCH,
+        served only when no interactive request waits); `cache_salt` keeps the call's cached
+        prefixes apart from those of requests with another salt.
         """
         if isinstance(inputs, str):
             raise TypeError("batchstring takes a list of strings, not a single string")
@@ -143,8 +148,10 @@ class AsyncBatchClient:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (timeout if timeout is not None else self.retry.deadline)
         streams = CallStreams()
+        wire = {"priority": priority, "cache_salt": cache_salt}
         try:
-            results = await asyncio.gather(*(self._complete(text, options, deadline, streams) for text in encoded),
+            results = await asyncio.gather(*(self._complete(text, options, deadline, streams, wire)
+                                             for text in encoded),
                                            return_exceptions=True)
             for r in results:
                 if isinstance(r, asyncio.CancelledError):
@@ -169,6 +176,7 @@ class AsyncBatchClient:
 
     async def stream_pieces(self, prompt: str, *, max_tokens: int | None = DEFAULT_MAX_TOKENS,
                             temperature: float | None = 0.0, timeout: float | None = None,
+                            priority: int | None = None, cache_salt: str | None = None,
                             **sampling) -> AsyncIterator[Piece]:
         """Yields the responses as they are generated; the last says how the generation ended and
         counts its tokens. Closing it (or cancelling the task that iterates it) cancels the request
@@ -192,7 +200,8 @@ class AsyncBatchClient:
                 stream = conn.open_stream()
                 finished = False
                 try:
-                    pieces = stream.request(self._request(text, options, stream=True, deadline=deadline))
+                    pieces = stream.request(self._request(text, options, stream=True, deadline=deadline,
+                                                          priority=priority, cache_salt=cache_salt))
                     while True:
                         # A deadline per piece, not a timeout around the yields: those would cancel
                         # whatever the consumer awaits between two pieces. Not wait_for: on Python
@@ -221,7 +230,7 @@ class AsyncBatchClient:
     # ----- one item ----------------------------------------------------------------------------
 
     async def _complete(self, text: bytes, options: GenerationOptions, deadline: float,
-                        streams: CallStreams) -> Completion:
+                        streams: CallStreams, wire: dict) -> Completion:
         loop = asyncio.get_running_loop()
         attempt = 0
         while True:
@@ -232,7 +241,7 @@ class AsyncBatchClient:
                 async with asyncio.timeout_at(deadline), self._slots:
                     conn = self._pick()  # chosen when the item is sent, not when the call began
                     try:
-                        request = self._request(text, options, stream=False, deadline=deadline)
+                        request = self._request(text, options, stream=False, deadline=deadline, **wire)
                         pieces = [p async for p in streams.on(conn).request(request)]
                     finally:
                         conn.outstanding -= 1
@@ -248,12 +257,13 @@ class AsyncBatchClient:
             await asyncio.sleep(delay)
             self.resent += 1
 
-    def _request(self, text: bytes, options: GenerationOptions, stream: bool, deadline: float):
+    def _request(self, text: bytes, options: GenerationOptions, stream: bool, deadline: float,
+                 priority: int | None = None, cache_salt: str | None = None):
         """The request for one attempt, carrying what is left of the deadline (the server drops the
         work once nobody can read it); refused here if the server would refuse its size."""
         remaining = deadline - asyncio.get_running_loop().time()
         request = build_request(self._new_id(), text, options, stream=stream,
-                                timeout_us=max(1, int(remaining * 1e6)))
+                                timeout_us=max(1, int(remaining * 1e6)), priority=priority, cache_salt=cache_salt)
         size = request.ByteSize()
         if size > self.max_message_bytes:
             raise ItemError(f"{INVALID_ARGUMENT}: the request is {size} bytes; the server accepts at most "

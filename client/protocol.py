@@ -17,6 +17,8 @@ from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 from batchstring.client.defaults import MODEL
 
 DEADLINE_PARAMETER = "deadline_us"  # request parameter: microseconds left for this request
+CACHE_SALT_PARAMETER = "cache_salt"  # request parameter: only requests with the same salt share cached prefixes
+INTERACTIVE, BATCH = 1, 2  # Triton priority levels (config.pbtxt dynamic_batching): 1 is served first
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,8 @@ def encode_text(text: str) -> bytes:
 
 
 def build_request(request_id: str, text: bytes, options: GenerationOptions, stream: bool,
-                  timeout_us: int | None = None) -> service_pb2.ModelInferRequest:
+                  timeout_us: int | None = None, priority: int | None = None,
+                  cache_salt: str | None = None) -> service_pb2.ModelInferRequest:
     request = service_pb2.ModelInferRequest(model_name=MODEL, id=request_id)
     _bytes_input(request, "text_input", text)
     _bool_input(request, "stream", stream)
@@ -106,6 +109,10 @@ def build_request(request_id: str, text: bytes, options: GenerationOptions, stre
         # The engine drops the work once nobody can read it. Not Triton's own "timeout" parameter:
         # Triton 2.51's dynamic batcher holds requests that carry a short one for hundreds of ms.
         request.parameters[DEADLINE_PARAMETER].int64_param = timeout_us
+    if priority:  # Triton's reserved parameter: the dynamic batcher's queue level
+        request.parameters["priority"].uint64_param = priority
+    if cache_salt:
+        request.parameters[CACHE_SALT_PARAMETER].string_param = cache_salt
     return request
 
 

@@ -22,6 +22,9 @@ from batchstring.client import AsyncBatchClient
 from batchstring.client.defaults import MODEL
 from batchstring.frontdoor import grpc as grpc_side
 from batchstring.frontdoor.auth import ApiKeys
+from batchstring.frontdoor.batch_runner import BatchRunner
+from batchstring.frontdoor.batch_store import BatchStore, StoreLimits, default_data_dir
+from batchstring.frontdoor.batches import BatchRoutes
 from batchstring.frontdoor.chat import ChatTemplate
 from batchstring.frontdoor.http import Upstream, make_app, make_metrics_app
 from batchstring.frontdoor.limits import Limits
@@ -52,6 +55,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--api-key-file", type=Path,
                    help="require one of these API keys (one per line) on every inference route; keys may also "
                         "come from the BATCHSTRING_API_KEYS environment variable (never from the command line)")
+    batches = p.add_argument_group("the Batch API (/v1/files, /v1/batches; on with the OpenAI API)")
+    batches.add_argument("--data-dir", type=Path, default=default_data_dir(),
+                         help="where batches and their files are kept across restarts (default: %(default)s)")
+    batches.add_argument("--batch-max-file-bytes", type=int, default=StoreLimits.max_file_bytes)
+    batches.add_argument("--batch-max-lines", type=int, default=StoreLimits.max_lines)
+    batches.add_argument("--batch-max-active", type=int, default=StoreLimits.max_active_batches,
+                         help="unfinished batches per API key (default: %(default)s)")
+    batches.add_argument("--batch-min-free-bytes", type=int, default=StoreLimits.min_free_bytes,
+                         help="free space the data volume keeps: uploads that would eat into it are refused")
+    batches.add_argument("--batch-max-in-flight", type=int,
+                         help="batch lines sent at once, all batches together (default: the engine's max_num_seqs)")
     p.add_argument("--exit-when-unready", type=float, default=0.0,
                    help="exit (status 3) when the model stays unready this many seconds (0: never)")
     return p.parse_args(argv)
@@ -68,8 +82,13 @@ async def run(args: argparse.Namespace) -> int:
     openai, client = None, None
     if not args.no_openai:  # requests go to Triton's gRPC socket through the batchstring client
         client = AsyncBatchClient(args.triton_grpc, max_in_flight=4096, max_message_bytes=args.max_message_bytes)
-        openai = OpenAIRoutes(client, args.served_model_name, ChatTemplate.find(args.model_dir, args.chat_template))
-    for app, port in ((make_app(upstream, limits, openai, keys), args.http_port),
+        openai = OpenAIRoutes(client, args.served_model_name, ChatTemplate.find(args.model_dir, args.chat_template),
+                              keys)
+    http_app = make_app(upstream, limits, openai, keys)
+    batches = None if openai is None else _batch_api(args, openai, keys)
+    if batches is not None:
+        batches.add_to(http_app)
+    for app, port in ((http_app, args.http_port),
                       (make_metrics_app(Upstream(args.triton_metrics)), args.metrics_port)):
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
@@ -84,18 +103,30 @@ async def run(args: argparse.Namespace) -> int:
     print(f"frontdoor: http {args.host}:{args.http_port} grpc {args.host}:{args.grpc_port} "
           f"metrics {args.host}:{args.metrics_port} -> triton {args.triton_grpc}; "
           f"OpenAI API {'off' if openai is None else 'on'}, chat {'on' if openai and openai.chat else 'off'}, "
-          f"API keys {'required' if keys.enabled else 'off'}", flush=True)
+          f"API keys {'required' if keys.enabled else 'off'}, "
+          f"batches {'off' if batches is None else f'kept in {args.data_dir}'}", flush=True)
     watch = asyncio.create_task(_watch_readiness(upstream, args.exit_when_unready, stop))
     await stop.wait()
     watch.cancel()
     await server.stop(grace=5)
     await passthrough.close()
+    if batches is not None:
+        await batches.runner.close()
+        batches.store.close()
     if client is not None:
         await client.close()
     for runner in runners:
         await runner.cleanup()
     with contextlib.suppress(asyncio.CancelledError):
         return UNREADY_EXIT if await watch else 0
+
+
+def _batch_api(args: argparse.Namespace, openai: OpenAIRoutes, keys: ApiKeys) -> BatchRoutes:
+    limits = StoreLimits(args.batch_max_file_bytes, args.batch_max_lines, args.batch_max_active,
+                         args.batch_min_free_bytes)
+    store = BatchStore(args.data_dir, limits)
+    runner = BatchRunner(store, openai.client, openai, args.batch_max_in_flight, args.triton_http)
+    return BatchRoutes(store, runner, keys)
 
 
 async def _watch_readiness(upstream: Upstream, limit: float, stop: asyncio.Event) -> bool:

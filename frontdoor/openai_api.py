@@ -23,7 +23,9 @@ from aiohttp import web
 from batchstring.client import AsyncBatchClient, Completion
 from batchstring.client import openai_format as fmt
 from batchstring.client.protocol import Piece
+from batchstring.frontdoor.auth import ApiKeys
 from batchstring.frontdoor.chat import ChatTemplate
+from batchstring.frontdoor.tenants import cache_salt, owner
 
 MAX_PROMPTS = 256  # prompts in one completion request (each is one request to Triton)
 
@@ -60,10 +62,12 @@ class Request:
 
 
 class OpenAIRoutes:
-    def __init__(self, client: AsyncBatchClient, model_name: str, chat: ChatTemplate | None) -> None:
+    def __init__(self, client: AsyncBatchClient, model_name: str, chat: ChatTemplate | None,
+                 keys: ApiKeys | None = None) -> None:
         self.client = client
         self.model_name = model_name
         self.chat = chat
+        self.keys = keys or ApiKeys([])
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_get("/v1/models", self.models)
@@ -85,6 +89,8 @@ class OpenAIRoutes:
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
             parsed = self._parse(await _json_body(request), chat)
+            # the caller's key salts its cached prefixes: no other key can reuse or time them
+            parsed.options["cache_salt"] = cache_salt(owner(request, self.keys), parsed.options["cache_salt"])
             if parsed.stream:
                 return await self._stream(request, parsed)
             results = await self.client.complete(parsed.prompts, **parsed.options, return_exceptions=True)
@@ -107,7 +113,10 @@ class OpenAIRoutes:
             raise ApiError(400, str(exc), exc.field) from None
         prompts = [self._chat_prompt(body.get("messages"))] if chat else _prompts(body.get("prompt"))
         # OpenAI's defaults: 16 tokens for completions (chat: the model's), temperature 1
-        options = {"max_tokens": None if chat else 16, "temperature": 1.0, **sampling}
+        options = {"max_tokens": None if chat else 16, "temperature": 1.0, **sampling,
+                   "cache_salt": body.get("cache_salt")}
+        if not isinstance(options["cache_salt"], str | None):
+            raise ApiError(400, "cache_salt must be a string", "cache_salt")
         stream = body.get("stream") or False
         if not isinstance(stream, bool):
             raise ApiError(400, f"stream must be true or false; got {stream!r}", "stream")

@@ -69,6 +69,7 @@ class LocalServer:
     max_message_bytes: int | None = None
     front_door_options: tuple[str, ...] = ()  # more `python -m batchstring.frontdoor` flags (OpenAI API, API keys)
     environment: dict[str, str] = field(default_factory=dict)  # more variables for tritonserver's environment
+    data_dir: Path | None = None  # the Batch API's store (None: one under the temporary work directory)
     process: subprocess.Popen | None = field(default=None, init=False)
     front: subprocess.Popen | None = field(default=None, init=False)
 
@@ -113,7 +114,8 @@ class LocalServer:
                 "--grpc-port", str(self.ports.grpc), "--metrics-port", str(self.ports.metrics),
                 "--triton-http", str(self.sockets.http), "--triton-grpc", self.sockets.grpc_target,
                 "--triton-metrics", str(self.sockets.metrics), "--triton-pid", str(self.process.pid),
-                "--model-dir", str(self.repository / MODEL / MODEL_VERSION_DIR.name), *self.front_door_options]
+                "--model-dir", str(self.repository / MODEL / MODEL_VERSION_DIR.name),
+                "--data-dir", str(self.data_dir or self._workdir / "data"), *self.front_door_options]
         if self.tls:
             argv += ["--tls-cert", str(self.tls.cert), "--tls-key", str(self.tls.key)]
         for flag, value in (("--max-body-bytes", self.max_body_bytes), ("--max-message-bytes", self.max_message_bytes)):

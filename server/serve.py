@@ -9,6 +9,7 @@ import sys
 import threading
 from pathlib import Path
 
+from batchstring.frontdoor.batch_store import default_data_dir
 from batchstring.server.local import LocalServer, ServerError
 from batchstring.server.repository import parameters
 from batchstring.server.supervisor import Supervisor
@@ -35,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                       "the checkpoint's own")
     p.add_argument("--api-key-file", type=Path, help="require one of these keys (one per line) on every inference "
                                                      "route; or set BATCHSTRING_API_KEYS in the environment")
+    p.add_argument("--data-dir", type=Path, default=default_data_dir(),
+                   help="where the Batch API keeps its files and batches across restarts (default: %(default)s)")
     p.add_argument("--no-supervise", action="store_true", help="do not restart a dead model")
     p.add_argument("--log", type=Path, help="log file of tritonserver and the front door (default: a temporary file)")
 
@@ -66,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
                          ports=Ports(args.http_port, args.grpc_port, args.metrics_port),
                          params=parse_params(args.param), log_path=args.log,
                          max_body_bytes=args.max_body_bytes, max_message_bytes=args.max_message_bytes,
-                         front_door_options=front_door_options(args))
+                         front_door_options=front_door_options(args), data_dir=args.data_dir)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

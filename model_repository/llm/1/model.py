@@ -74,6 +74,7 @@ class TritonPythonModel:
             ticket = self.responder.ticket(sender)
             try:
                 ticket.seq = self._sequence(request, ticket, group)
+                ticket.seq.cache_salt = _cache_salt(request)
             except InvalidRequest as exc:
                 _refuse(sender, str(exc), "INVALID_ARG")
             except Exception as exc:  # a bug must fail this request alone, never its batch-mates
@@ -135,6 +136,13 @@ class TritonPythonModel:
         self.engine.stop()
         self.responder.stop()
         self.metrics.stop()
+
+
+def _cache_salt(request) -> bytes:
+    """The request's `cache_salt` parameter (the front door's, per API key): only requests with
+    the same salt share cached prefix blocks."""
+    salt = json.loads(request.parameters() or "{}").get("cache_salt")
+    return salt.encode() if isinstance(salt, str) else b""
 
 
 def _scalar(request, name: str):

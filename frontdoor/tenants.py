@@ -1,0 +1,37 @@
+"""Who is calling, as far as ownership and the prefix cache are concerned.
+
+With API keys on, each key is a tenant: the files and batches it creates are its own, and its
+prompts' cached KV blocks are keyed by a salt derived from it, so that no other key can reuse or
+time them. Neither the key nor anything a caller could use as a key is stored: a tenant is known
+by a digest of its key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from aiohttp import web
+
+from batchstring.frontdoor.auth import ApiKeys
+
+SHARED = ""  # the one tenant when API keys are off
+
+
+def owner(request: web.Request, keys: ApiKeys) -> str:
+    """The tenant of an authorised request (the auth middleware has checked its key)."""
+    if not keys.enabled:
+        return SHARED
+    token = request.headers.get("Authorization", "").partition(" ")[2].strip()
+    return hashlib.blake2b(token.encode(), digest_size=16, person=b"bs-owner").hexdigest()
+
+
+def cache_salt(tenant: str, requested: object = None) -> str | None:
+    """The prefix-cache salt of a request: its tenant's, mixed with the request's own `cache_salt`
+    (as vLLM offers, for callers that want even their own requests kept apart). None when there is
+    neither, so that the unsalted cache stays shared, as without keys it is meant to be."""
+    if requested is not None and not isinstance(requested, str):
+        raise ValueError(f"cache_salt must be a string; got {type(requested).__name__}")
+    if tenant == SHARED and not requested:
+        return None
+    mixed = f"{tenant}\0{requested or ''}".encode()
+    return hashlib.blake2b(mixed, digest_size=16, person=b"bs-cache").hexdigest()

@@ -94,13 +94,13 @@ def device_numerics(ctx: dict) -> list[str]:
     from transformers import AutoModelForCausalLM
 
     from batchstring.engine.config import EngineConfig
-    from batchstring.engine.engine import Engine
+    from batchstring.engine.core import EngineCore
     from batchstring.engine.sampling import SamplingParams
 
     hf = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float16).to(ctx["device"]).eval()
     lines = []
     for runtime in RUNTIMES:
-        engine = Engine(EngineConfig(model_dir=ctx["model_dir"], runtime=runtime, device=ctx["device"]))
+        engine = EngineCore(EngineConfig(model_dir=ctx["model_dir"], runtime=runtime, device=ctx["device"]))
         same = 0
         for prompt in PROMPTS[:16]:
             ids = engine.codec.encode(prompt)
@@ -132,11 +132,11 @@ def serving(ctx: dict) -> list[str]:
 
     from batchstring.client import AsyncBatchClient, BatchClient
     from batchstring.engine.config import EngineConfig
-    from batchstring.engine.engine import Engine
+    from batchstring.engine.core import EngineCore
     from batchstring.engine.sampling import SamplingParams
     from batchstring.server.local import LocalServer
 
-    engine = Engine(EngineConfig(model_dir=ctx["model_dir"], device=ctx["device"]))
+    engine = EngineCore(EngineConfig(model_dir=ctx["model_dir"], device=ctx["device"]))
     expected = []
     for prompt in PROMPTS:
         seq = engine.make_sequence(prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),

@@ -24,29 +24,60 @@ class Work:
     samples: bool = True
 
 
+@dataclass(frozen=True)
+class SamplingInputs:
+    """Per-row sampling values of the step (export/sampler.py): `ban_rows` are the rows whose
+    end-of-sequence ids are banned (min_tokens); `sample_rows` those that sample or want
+    log-probabilities, with their temperature, top_k, top_p and one uniform number each."""
+
+    ban_rows: np.ndarray
+    sample_rows: np.ndarray
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    uniform: np.ndarray
+
+    def feeds(self) -> dict[str, np.ndarray]:
+        return {"ban_rows": self.ban_rows, "sample_rows": self.sample_rows, "temperature": self.temperature,
+                "top_k": self.top_k, "top_p": self.top_p, "uniform": self.uniform}
+
+
+@dataclass(frozen=True)
+class _Group:
+    """One attention group's rows (decode or prefill), in export/step.py's layout; `ids`,
+    `positions`, `writes` and `order` are packed over its new tokens, `last` is each row's last."""
+
+    ids: np.ndarray
+    positions: np.ndarray
+    tokens: np.ndarray
+    slots: np.ndarray
+    mask: np.ndarray
+    writes: np.ndarray
+    order: np.ndarray
+    last: np.ndarray
+
+
 @dataclass
 class StepBatch:
     feeds: dict[str, np.ndarray]  # the step's inputs, caches excepted
     write_slots: np.ndarray  # [T] cache slot of each new token, in packed order
     work: list[Work]  # every sequence in the step (decode rows first)
     sampled: list[Sequence]  # the R sequences whose next token comes back, in output order
-
-    @property
-    def size(self) -> int:
-        return len(self.work)
+    sampling: SamplingInputs
 
 
 def build_step(work: list[Work], blocks: BlockManager, rng: np.random.Generator | None = None) -> StepBatch:
     decode = [w for w in work if w.new == 1]
     prefill = [w for w in work if w.new > 1]
-    ids, positions, d_tokens, d_slots, d_mask, writes = _decode_group(decode, blocks)
-    order, logit_tokens = np.arange(len(decode)), np.arange(len(decode))
-    p_tokens, p_slots, p_mask = _EMPTY_GROUP
+    d = _decode_group(decode, blocks)
+    ids, positions, writes, order, logit_tokens = d.ids, d.positions, d.writes, d.order, d.last
+    p_tokens, p_slots, p_mask = _EMPTY_PREFILL
     if prefill:
-        p_ids, p_pos, p_tokens, p_slots, p_mask, p_write, p_order, p_last = _prefill_group(prefill, blocks, len(decode))
-        ids, positions, writes = np.concatenate([ids, p_ids]), np.concatenate([positions, p_pos]), np.concatenate(
-            [writes, p_write])
-        order, logit_tokens = np.concatenate([order, p_order]), np.concatenate([logit_tokens, p_last])
+        p = _prefill_group(prefill, blocks, len(decode))
+        p_tokens, p_slots, p_mask = p.tokens, p.slots, p.mask
+        ids, positions, writes = np.concatenate([ids, p.ids]), np.concatenate([positions, p.positions]), \
+            np.concatenate([writes, p.writes])
+        order, logit_tokens = np.concatenate([order, p.order]), np.concatenate([logit_tokens, p.last])
     ordered = decode + prefill if prefill else decode
     if all(w.samples for w in ordered):
         sampled = [w.seq for w in ordered]
@@ -54,25 +85,26 @@ def build_step(work: list[Work], blocks: BlockManager, rng: np.random.Generator 
         keep = np.fromiter((w.samples for w in ordered), bool, len(ordered))
         logit_tokens = logit_tokens[keep]
         sampled = [w.seq for w in ordered if w.samples]
+    sampling = sampling_inputs(sampled, rng or np.random.default_rng())
     feeds = {
         "input_ids": ids, "position_ids": positions,
-        "decode_tokens": d_tokens, "decode_slots": d_slots, "decode_mask": d_mask,
+        "decode_tokens": d.tokens, "decode_slots": d.slots, "decode_mask": d.mask,
         "prefill_tokens": p_tokens, "prefill_slots": p_slots, "prefill_mask": p_mask,
-        "token_order": order, "logit_tokens": logit_tokens,
-        **sampling_inputs(sampled, rng or np.random.default_rng()),
+        "token_order": order, "logit_tokens": logit_tokens, **sampling.feeds(),
     }
-    return StepBatch(feeds, writes, ordered, sampled)
+    return StepBatch(feeds, writes, ordered, sampled, sampling)
 
 
-_EMPTY_GROUP = (np.zeros((0, 0), np.int64), np.zeros((0, 0), np.int64), np.zeros((0, 0), bool))
+_EMPTY_PREFILL = (np.zeros((0, 0), np.int64), np.zeros((0, 0), np.int64), np.zeros((0, 0), bool))
 
 
-def _decode_group(decode: list[Work], blocks: BlockManager):
+def _decode_group(decode: list[Work], blocks: BlockManager) -> _Group:
     """One row per sequence: its token, position, past slots (from the block table) and mask."""
     n, size = len(decode), blocks.block_size
     if not n:
         empty = np.zeros(0, np.int64)
-        return empty, empty, np.zeros((0, 1), np.int64), np.zeros((0, 0), np.int64), np.zeros((0, 1), bool), empty
+        return _Group(empty, empty, np.zeros((0, 1), np.int64), np.zeros((0, 0), np.int64), np.zeros((0, 1), bool),
+                      empty, empty, empty)
     info = np.array([(w.seq.row, w.seq.num_cached, w.seq.token_at(w.seq.num_cached)) for w in decode], np.int64)
     rows, past, ids = info[:, 0], info[:, 1], info[:, 2]
     width = int(past.max())
@@ -82,10 +114,11 @@ def _decode_group(decode: list[Work], blocks: BlockManager):
     np.less(blocks.positions[:width], past[:, None], out=mask[:, :width])
     mask[:, width] = True
     write = table[np.arange(n), blocks.block_of[past]] * size + blocks.offset_of[past]
-    return ids, past, np.arange(n)[:, None], slots, mask, write
+    order = np.arange(n)
+    return _Group(ids, past, order[:, None], slots, mask, write, order, order)
 
 
-def _prefill_group(prefill: list[Work], blocks: BlockManager, offset: int):
+def _prefill_group(prefill: list[Work], blocks: BlockManager, offset: int) -> _Group:
     """Rows of several new tokens (few per step): left-padded to the longest, in packed order."""
     n, size = len(prefill), blocks.block_size
     width = max(w.new for w in prefill)
@@ -109,15 +142,15 @@ def _prefill_group(prefill: list[Work], blocks: BlockManager, offset: int):
         order.append(offset + j * width + np.arange(width - new, width))
         start += new
         last.append(start - 1)
-    return (np.concatenate(ids).astype(np.int64), np.concatenate(positions), tokens, slots, mask,
-            np.concatenate(writes), np.concatenate(order), np.asarray(last, np.int64))
+    return _Group(np.concatenate(ids).astype(np.int64), np.concatenate(positions), tokens, slots, mask,
+                  np.concatenate(writes), np.concatenate(order), np.asarray(last, np.int64))
 
 
-_NO_SAMPLING = {"sample_rows": np.zeros(0, np.int64), "temperature": np.zeros(0, np.float32),
-                "top_k": np.zeros(0, np.int64), "top_p": np.zeros(0, np.float32), "uniform": np.zeros(0, np.float32)}
+_NO_SAMPLING = (np.zeros(0, np.int64), np.zeros(0, np.float32), np.zeros(0, np.int64), np.zeros(0, np.float32),
+                np.zeros(0, np.float32))
 
 
-def sampling_inputs(seqs: list[Sequence], rng: np.random.Generator) -> dict[str, np.ndarray]:
+def sampling_inputs(seqs: list[Sequence], rng: np.random.Generator) -> SamplingInputs:
     """Per-row sampling values. A seeded request draws its number from its own generator, so its
     tokens do not depend on its batch-mates; the others share the engine's generator."""
     params = [s.params for s in seqs]
@@ -125,17 +158,17 @@ def sampling_inputs(seqs: list[Sequence], rng: np.random.Generator) -> dict[str,
                       if p.min_tokens and not p.ignore_eos and len(s.output_ids) < p.min_tokens], np.int64)
     chosen = [i for i, p in enumerate(params) if not p.greedy or p.logprobs is not None]
     if not chosen:
-        return {"ban_rows": ban, **_NO_SAMPLING}
+        return SamplingInputs(ban, *_NO_SAMPLING)
     picked = [params[i] for i in chosen]
     uniform = 1.0 - rng.random(len(chosen))  # (0, 1]
     for k, i in enumerate(chosen):
         if seqs[i].rng is not None:
             uniform[k] = 1.0 - seqs[i].rng.random()
-    return {
-        "ban_rows": ban,
-        "sample_rows": np.asarray(chosen, np.int64),
-        "temperature": np.fromiter((p.temperature for p in picked), np.float32, len(picked)),
-        "top_k": np.fromiter((max(p.top_k, 0) for p in picked), np.int64, len(picked)),
-        "top_p": np.fromiter((p.top_p for p in picked), np.float32, len(picked)),
-        "uniform": uniform.astype(np.float32),
-    }
+    return SamplingInputs(
+        ban_rows=ban,
+        sample_rows=np.asarray(chosen, np.int64),
+        temperature=np.fromiter((p.temperature for p in picked), np.float32, len(picked)),
+        top_k=np.fromiter((max(p.top_k, 0) for p in picked), np.int64, len(picked)),
+        top_p=np.fromiter((p.top_p for p in picked), np.float32, len(picked)),
+        uniform=uniform.astype(np.float32),
+    )

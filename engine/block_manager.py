@@ -69,6 +69,14 @@ class BlockManager:
         """Blocks whose contents are known by hash (in use or free)."""
         return len(self._by_hash)
 
+    def references(self, block: int) -> int:
+        """How many sequences hold `block` (0: it is free)."""
+        return self._refs[block]
+
+    def free_blocks(self) -> set[int]:
+        """Blocks nobody holds, with or without cached contents."""
+        return set(self._plain) | set(self._cached)
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

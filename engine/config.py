@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -74,9 +73,6 @@ class EngineConfig:
             except ValueError:
                 raise ValueError(f"parameter {name} must be {types[name]}; got {raw!r}") from None
         return cls(**{**values, **fixed})
-
-    def replace(self, **changes) -> EngineConfig:
-        return dataclasses.replace(self, **changes)
 
 
 def _bool(raw: str) -> bool:

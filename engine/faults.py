@@ -1,7 +1,8 @@
 """Test-only fault injection: a prompt that contains the configured marker breaks something.
 
-Off unless the `fault_marker` parameter is set (never in production). What breaks depends on
-what follows the marker in the prompt:
+Off unless the `fault_marker` parameter is set (never in production); then the runner is wrapped,
+and nothing else in the engine knows about faults. What breaks depends on what follows the marker
+in the prompt:
 
     <marker>          its step runs out of memory (an isolated, input-dependent failure)
     <marker>:device   from then on every step fails, as after a sticky CUDA error
@@ -14,6 +15,9 @@ from __future__ import annotations
 
 import threading
 
+from batchstring.engine.batch import StepBatch
+from batchstring.engine.runner import PagedCacheRunner, StepOutput
+
 KINDS = ("device", "loop", "stall", "send")
 
 
@@ -21,31 +25,37 @@ class EngineLoopFault(RuntimeError):
     """Raised outside step isolation, to exercise the engine's own failure handling."""
 
 
-class FaultInjector:
-    def __init__(self, marker: str) -> None:
+def fault_kind(marker: str, prompt: str) -> str | None:
+    """Which fault a prompt asks for: "oom", one of KINDS, or None."""
+    if not marker or marker not in prompt:
+        return None
+    return next((k for k in KINDS if f"{marker}:{k}" in prompt), "oom")
+
+
+class FaultyRunner:
+    """A runner whose steps fail as the prompts in them ask; everything else is the real runner's."""
+
+    def __init__(self, runner: PagedCacheRunner, marker: str) -> None:
+        self.runner = runner
         self.marker = marker
         self.device_failed = False
         self._forever = threading.Event()
 
-    def kind(self, prompt: str) -> str | None:
-        """Which fault a prompt asks for: "oom", one of KINDS, or None."""
-        if not self.marker or self.marker not in prompt:
-            return None
-        return next((k for k in KINDS if f"{self.marker}:{k}" in prompt), "oom")
+    def __getattr__(self, name: str):
+        return getattr(self.runner, name)
 
-    def before_step(self, prompts: list[str]) -> None:
-        """Inside the isolated step: raises as the faults in this step's prompts ask."""
-        kinds = {self.kind(p) for p in prompts} if self.marker else set()
-        if "device" in kinds:
-            self.device_failed = True
+    def step(self, batch: StepBatch) -> StepOutput:
+        kinds = {fault_kind(self.marker, w.seq.output.prompt) for w in batch.work if w.seq.output is not None}
+        self.device_failed = self.device_failed or "device" in kinds
         if self.device_failed:
             raise RuntimeError("device failure (injected: a sticky fault, every step fails)")
         if "stall" in kinds:
             self._forever.wait()
         if "oom" in kinds:
             raise MemoryError(f"out of memory (injected: a prompt in this step contains {self.marker!r})")
+        return self.runner.step(batch)
 
-    def in_loop(self, prompts: list[str]) -> None:
-        """Outside step isolation: the engine loop's own code fails."""
-        if self.marker and any(self.kind(p) == "loop" for p in prompts):
-            raise EngineLoopFault("engine loop failure (injected)")
+
+def with_faults(runner: PagedCacheRunner, marker: str) -> PagedCacheRunner:
+    """The runner itself, or wrapped for fault injection when a marker is configured."""
+    return FaultyRunner(runner, marker) if marker else runner

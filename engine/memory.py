@@ -1,9 +1,20 @@
-"""`kv_cache_tokens: auto`: the KV cache sized from the memory that is actually free.
+"""The KV cache's size: as configured, or (`kv_cache_tokens: auto`) sized to what can be live.
 
-A fixed token count is right for one model on one device only. As vLLM's
-`gpu_memory_utilization`, the cache takes a fraction of the device's memory: here, of what is free
-before the model loads, less the weights (the size of the exported files, which the runtime
-holds once). What the fraction leaves is for activations and the runtime's workspace.
+`auto` takes the smallest of three ceilings, each stated in the start-up line (`CachePlan.reason`):
+
+- live: what `max_num_seqs` sequences of the model's full context can ever hold. More cache than
+  that is never used (the shipped 512-token model on a 141 GB GPU would otherwise take ~65 M
+  tokens, 2000x what 64 sequences can use).
+- memory: `kv_cache_memory_fraction` of the device memory free before the model loads, less the
+  weights (the exported files' size) and less the step's activations at `max_num_batched_tokens`,
+  estimated from the model's shape (`activation_bytes`). As vLLM's `gpu_memory_utilization`.
+- index: ONNX Runtime 1.20's CUDA Gather computes offsets in 32 bits, and the step gathers from
+  the cache flattened to [L*H*N, D], so that view must stay under 2^31 elements. A configured size
+  beyond it is refused with the numbers; `auto` is capped.
+
+ONNX Runtime's CUDA arena (weights and activations; the cache itself is torch memory bound by
+pointer) is bounded by the same estimate: `CachePlan.arena_bytes`, which the runner sets as the
+provider's `gpu_mem_limit`.
 """
 
 from __future__ import annotations
@@ -12,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 GIB = 2**30
-WEIGHT_FILES = ("model.onnx", "model.onnx.data", "model.pt")
+INDEX_LIMIT = 2**31  # elements a 32-bit Gather offset can address
+ACTIVATION_MARGIN = 1.25  # workspace and fragmentation beyond the tensors counted
 
 
 def free_bytes(device: str) -> tuple[int, str]:
@@ -22,9 +34,15 @@ def free_bytes(device: str) -> tuple[int, str]:
 
         free, _ = torch.cuda.mem_get_info(torch.device(device))
         return free, f"{device} free memory (torch.cuda.mem_get_info)"
-    import psutil
+    return _host_available(), "host memory available (/proc/meminfo)"
 
-    return psutil.virtual_memory().available, "host memory available (psutil)"
+
+def _host_available() -> int:
+    """MemAvailable, read directly so that the engine needs no psutil (the GPU check runs without it)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("kv_cache_tokens auto: /proc/meminfo has no MemAvailable; set kv_cache_tokens to a number")
 
 
 def weight_bytes(model_dir: Path, runtime: str) -> int:
@@ -33,35 +51,108 @@ def weight_bytes(model_dir: Path, runtime: str) -> int:
     return sum((model_dir / n).stat().st_size for n in names if (model_dir / n).exists())
 
 
-def auto_cache_tokens(free: int, fraction: float, weights: int, bytes_per_token: int, block_size: int,
-                      context_length: int, source: str) -> int:
-    """Whole blocks of the memory the fraction allows, beyond the weights; at least one full context."""
-    budget = int(free * fraction) - weights
-    tokens = max(0, budget // bytes_per_token) // block_size * block_size
-    if tokens < context_length:
-        raise ValueError(
-            f"kv_cache_tokens auto: {source} is {free / GIB:.2f} GiB; x kv_cache_memory_fraction {fraction:g} "
-            f"less {weights / GIB:.2f} GiB of weights leaves room for {tokens} cached tokens "
-            f"({bytes_per_token} bytes each), less than one full context ({context_length} tokens). "
-            "Free memory on the device, raise kv_cache_memory_fraction, export in 16 bits, "
-            "or set kv_cache_tokens to a number"
-        )
-    return tokens
+def activation_bytes(spec, max_num_batched_tokens: int, max_num_seqs: int, max_past: int) -> int:
+    """Peak memory of one step beyond weights and cache, from the model's shape.
+
+    Counted: one layer's tensors over the packed tokens (hidden states, q/k/v, the MLP's gate and
+    up projections), the new keys/values the step returns for every layer, the past keys/values one
+    layer gathers for a decode group of `max_num_seqs` rows padded to `max_past` positions, with its
+    float32 scores and probabilities, and the sampler's float32 vocabulary rows; times
+    ACTIVATION_MARGIN for the runtime's workspace.
+    """
+    size = spec.dtype_bytes
+    tokens, rows = max_num_batched_tokens, max_num_seqs
+    q_heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    per_token = 4 * spec.hidden_size + (q_heads + 2 * kv_heads) * dim + 3 * spec.intermediate_size
+    packed = tokens * per_token * size
+    new_kv = 2 * spec.num_layers * kv_heads * tokens * dim * size
+    gathered = rows * max_past * (2 * kv_heads * dim * size + 2 * q_heads * 4)
+    sampler = min(rows, tokens) * spec.vocab_size * 4 * 4
+    return int((packed + new_kv + gathered + sampler) * ACTIVATION_MARGIN)
+
+
+def index_ceiling(spec) -> int:
+    """Most cache slots whose flattened [L*H*N, D] view stays under 2^31 elements."""
+    return (INDEX_LIMIT - 1) // (spec.num_layers * spec.num_kv_heads * spec.head_dim)
 
 
 @dataclass(frozen=True)
 class CachePlan:
-    """The KV cache's size in tokens, and how it was chosen (for the start-up line)."""
+    """The KV cache's size in tokens, the memory set aside beside it, and why (the start-up line)."""
 
     tokens: int
     reason: str
+    activation_bytes: int = 0  # the step's estimated peak at max_num_batched_tokens
+    arena_bytes: int = 0  # ONNX Runtime's CUDA arena limit (weights + activations); 0 = not bounded
+
+
+def _indexed(config) -> bool:
+    """Whether the runtime gathers with 32-bit offsets: ONNX Runtime on CUDA (1.20, the image's)."""
+    return config.runtime == "onnxruntime" and config.device.startswith("cuda")
+
+
+def _blocks(tokens: int, block_size: int) -> int:
+    return tokens // block_size * block_size
 
 
 def plan_cache(config, spec, model_dir: Path) -> CachePlan:
-    """`kv_cache_tokens` as configured, or sized from free memory when it is `auto` (0)."""
+    """`kv_cache_tokens` as configured (checked against the index ceiling), or `auto`."""
+    weights = weight_bytes(model_dir, config.runtime)
     if config.kv_cache_tokens:
-        return CachePlan(config.kv_cache_tokens, "kv_cache_tokens as configured")
+        return configured_plan(config, spec, weights)
     free, source = free_bytes(config.device)
-    tokens = auto_cache_tokens(free, config.kv_cache_memory_fraction, weight_bytes(model_dir, config.runtime),
-                               spec.bytes_per_token, config.block_size, spec.context_length, source)
-    return CachePlan(tokens, f"auto: {config.kv_cache_memory_fraction:g} of {source}, less the weights")
+    return auto_plan(config, spec, weights, free, source)
+
+
+def configured_plan(config, spec, weights: int) -> CachePlan:
+    tokens = config.kv_cache_tokens
+    if _indexed(config) and tokens > index_ceiling(spec):
+        raise ValueError(
+            f"kv_cache_tokens {tokens} is more than ONNX Runtime on CUDA can index: the cache flattened to "
+            f"[layers x kv_heads x slots, head_dim] = [{spec.num_layers} x {spec.num_kv_heads} x {tokens}, "
+            f"{spec.head_dim}] has {spec.num_layers * spec.num_kv_heads * tokens * spec.head_dim:,} elements, "
+            f"at most {INDEX_LIMIT - 1:,} are allowed (32-bit Gather offsets). Set kv_cache_tokens to at most "
+            f"{_blocks(index_ceiling(spec), config.block_size)}, or auto, or use runtime torchscript"
+        )
+    activations = activation_bytes(spec, config.max_num_batched_tokens, config.max_num_seqs,
+                                   min(spec.context_length, tokens))
+    arena = weights + activations if _indexed(config) else 0
+    return CachePlan(tokens, f"kv_cache_tokens {tokens} as configured ({tokens * spec.bytes_per_token / GIB:.2f} "
+                             f"GiB); step activations ~{activations / GIB:.2f} GiB (estimated)"
+                             + _arena_text(arena), activations, arena)
+
+
+def auto_plan(config, spec, weights: int, free: int, source: str) -> CachePlan:
+    """The smallest of the live, memory and index ceilings, in whole blocks; refused under one context."""
+    block = config.block_size
+    live = -(-config.max_num_seqs * spec.context_length // block) * block
+    ceilings = {f"live ({config.max_num_seqs} sequences x {spec.context_length}-token context)": live}
+    if _indexed(config):
+        ceilings["index (ONNX Runtime CUDA: 32-bit Gather offsets)"] = _blocks(index_ceiling(spec), block)
+    upper = min(ceilings.values())
+    activations = activation_bytes(spec, config.max_num_batched_tokens, config.max_num_seqs,
+                                   min(spec.context_length, upper))
+    budget = int(free * config.kv_cache_memory_fraction) - weights - activations
+    fits = _blocks(max(0, budget) // spec.bytes_per_token, block)
+    ceilings[f"memory ({config.kv_cache_memory_fraction:g} of {source} {free / GIB:.2f} GiB, less "
+             f"{weights / GIB:.2f} GiB weights and ~{activations / GIB:.2f} GiB step activations at "
+             f"max_num_batched_tokens {config.max_num_batched_tokens}, estimated from the model's shape)"] = fits
+    tokens = min(ceilings.values())
+    if tokens < spec.context_length:
+        raise ValueError(
+            f"kv_cache_tokens auto: room for {tokens} cached tokens ({spec.bytes_per_token} bytes each), less than "
+            f"one full context ({spec.context_length} tokens). Ceilings: "
+            + "; ".join(f"{name}: {value}" for name, value in ceilings.items())
+            + ". Free memory on the device, raise kv_cache_memory_fraction, lower max_num_seqs or "
+            "max_num_batched_tokens, export in 16 bits, or set kv_cache_tokens to a number"
+        )
+    binding = next(name for name, value in ceilings.items() if value == tokens)
+    others = "; ".join(f"{name}: {value:,}" for name, value in ceilings.items() if name != binding)
+    arena = weights + activations if _indexed(config) else 0
+    reason = (f"auto: {tokens:,} tokens ({tokens * spec.bytes_per_token / GIB:.2f} GiB), set by the {binding} "
+              f"ceiling; other ceilings: {others}" + _arena_text(arena))
+    return CachePlan(tokens, reason, activations, arena)
+
+
+def _arena_text(arena: int) -> str:
+    return f"; ONNX Runtime CUDA arena limited to {arena / GIB:.2f} GiB" if arena else ""

@@ -43,8 +43,7 @@ class OutputStream:
     """Turns a sequence's tokens into what its caller receives, through its sink."""
 
     def __init__(self, request_id: str, prompt: str, num_input_tokens: int, sink: OutputSink, codec: TextCodec,
-                 params: SamplingParams, *, stream: bool = False, include_input: bool = False,
-                 is_cancelled: Callable[[], bool] | None = None) -> None:
+                 params: SamplingParams, *, stream: bool = False, include_input: bool = False) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.num_input_tokens = num_input_tokens
@@ -60,28 +59,12 @@ class OutputStream:
         self.responses = 0  # outputs handed to the sink so far
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.sent_logprobs = 0
-        self.held: RequestOutput | None = None  # static scheduling: finished, delivered with its batch
-        self.failed: Exception | None = None  # the sink raised: the caller cannot be reached
-        self.is_cancelled = is_cancelled
+        self.deferred: RequestOutput | None = None  # static batching: the final answer, sent with its batch
 
     @property
     def per_token(self) -> bool:
         """Whether every generated token must come here (text now, or log-probabilities)."""
         return self.decoder is not None or self.logprobs is not None
-
-    def abandoned(self, now: float, deadline: float | None) -> str | None:
-        """Why nobody will read this answer any more, if so: cancelled, or past its deadline."""
-        if deadline is not None and now > deadline:
-            return "the request's deadline passed before it finished"
-        if self.failed is not None:
-            return f"the response could not be sent ({self.failed})"
-        if self.is_cancelled is None:
-            return None
-        try:
-            cancelled = self.is_cancelled()
-        except Exception as exc:  # asking the frontend failed: treat the caller as gone
-            return f"could not ask whether the request was cancelled ({exc})"
-        return "cancelled by the client" if cancelled else None
 
     def push(self, token: int, generated: int, logprob: TokenLogprob | None) -> bool:
         """Takes one generated token (not an end-of-sequence one); True when a stop string ended it."""
@@ -93,8 +76,8 @@ class OutputStream:
         self.text += self.decoder.push(token)
         if self.params.stop and generated > self.params.min_tokens and self._cut_at_stop(before):
             return True
-        if self.stream:
-            self._send(self._piece(finished=False))
+        if self.stream and (piece := self._piece(finished=False)) is not None:
+            self.sink(piece)
         return False
 
     def _cut_at_stop(self, before: int) -> bool:
@@ -139,18 +122,10 @@ class OutputStream:
         return RequestOutput(self.request_id, piece, finished, reason, self.num_input_tokens, num_output_tokens,
                              error, retryable, logprobs)
 
-    def _send(self, out: RequestOutput | None) -> None:
-        """A sink that raises (a vanished caller, a broken frontend) must not take the engine down:
-        the failure is recorded and the engine drops the request."""
-        if out is None or self.failed is not None:
-            return
-        try:
-            self.sink(out)
-        except Exception as exc:
-            self.failed = exc
-
     def deliver(self, out: RequestOutput) -> None:
-        self._send(out)
+        """The sink only hands the output on (model.py's queues it for the responder thread, which
+        alone talks to Triton), so it does not fail here."""
+        self.sink(out)
 
 
 def _entry(e: TokenLogprob, codec: TextCodec) -> dict:

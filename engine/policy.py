@@ -1,10 +1,11 @@
-"""Batching policies: who may join a step, and whether a finished row leaves it at once.
+"""Batching policies: who may join a step, and whether a finished sequence leaves it at once.
 
 Continuous batching (the default) lets any waiting sequence join at any iteration and retires a
-finished one immediately. Static scheduling is request-level batching, kept as the baseline that
+finished one immediately. Static batching is request-level batching, kept as the baseline that
 continuous batching is measured against (Orca's baseline, a padded `generate` call): a Triton
 batch is admitted into an empty engine and runs until its longest sequence is done; the rows that
-finish first keep computing and their answers are held until then.
+finish first stay in the batch as padding (they keep computing) and their answers are deferred
+until then. The scheduler asks; the core (engine/core.py) delivers what is deferred.
 """
 
 from __future__ import annotations
@@ -12,9 +13,7 @@ from __future__ import annotations
 from batchstring.engine.sequence import Sequence
 
 
-class BatchingPolicy:
-    """Continuous batching."""
-
+class ContinuousBatching:
     chunks = True  # prompts may be prefilled a chunk per step, beside the decoding sequences
 
     def may_admit(self, running: list[Sequence]) -> bool:
@@ -23,16 +22,16 @@ class BatchingPolicy:
     def may_join(self, seq: Sequence, first: Sequence) -> bool:
         return True
 
-    def hold(self, seq: Sequence, running: list[Sequence]) -> bool:
-        """Whether a finished sequence stays in the batch (its answer delivered later)."""
+    def pads(self, seq: Sequence, running: list[Sequence]) -> bool:
+        """Whether a sequence that just finished stays in the batch as padding."""
         return False
 
-    def releasable(self, running: list[Sequence], max_len: int) -> list[Sequence]:
-        """Held sequences that may leave now."""
+    def padding_done(self, running: list[Sequence], max_len: int) -> list[Sequence]:
+        """Padding rows whose batch has ended (or that cannot grow any more)."""
         return []
 
 
-class StaticPolicy(BatchingPolicy):
+class StaticBatching(ContinuousBatching):
     """Request-level batching: one Triton batch (group) at a time, run to completion."""
 
     chunks = False  # whole prompts, in steps of their own, as a padded generate call runs them
@@ -43,17 +42,16 @@ class StaticPolicy(BatchingPolicy):
     def may_join(self, seq: Sequence, first: Sequence) -> bool:
         return seq.group == first.group
 
-    def hold(self, seq: Sequence, running: list[Sequence]) -> bool:
-        seq.held = _group_running(seq, running)
-        return seq.held
+    def pads(self, seq: Sequence, running: list[Sequence]) -> bool:
+        return _group_generating(seq, running)
 
-    def releasable(self, running: list[Sequence], max_len: int) -> list[Sequence]:
-        return [s for s in running if s.held and (not _group_running(s, running) or s.num_tokens >= max_len)]
-
-
-def _group_running(seq: Sequence, running: list[Sequence]) -> bool:
-    return any(s.group == seq.group and s is not seq and not s.held for s in running)
+    def padding_done(self, running: list[Sequence], max_len: int) -> list[Sequence]:
+        return [s for s in running if s.padding and (not _group_generating(s, running) or s.num_tokens >= max_len)]
 
 
-def policy_for(scheduling: str) -> BatchingPolicy:
-    return StaticPolicy() if scheduling == "static" else BatchingPolicy()
+def _group_generating(seq: Sequence, running: list[Sequence]) -> bool:
+    return any(s.group == seq.group and s is not seq and not s.padding for s in running)
+
+
+def policy_for(scheduling: str) -> ContinuousBatching:
+    return StaticBatching() if scheduling == "static" else ContinuousBatching()

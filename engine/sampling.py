@@ -40,11 +40,6 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
-    def restricted(self) -> bool:
-        """Sampling limited to the most likely tokens (top_k / top_p)."""
-        return self.top_k > 0 or self.top_p < 1.0
-
 
 def _as_int(key: str, value: object, low: int, high: int, extra: str = "") -> int:
     number = None

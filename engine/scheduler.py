@@ -18,12 +18,15 @@ After a step, `update` owns the bookkeeping: cached counts, appended tokens, whi
 ended (end-of-sequence token, `max_tokens`; admission already checked that prompt + `max_tokens`
 fit the context), and the blocks the prefix cache may now offer to others. The batching policy
 (engine/policy.py) decides who may join a step and whether a finished row leaves at once.
+The scheduler owns the block manager: nothing else in the engine takes or frees blocks.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,7 +34,7 @@ import numpy as np
 from batchstring.engine.batch import Work
 from batchstring.engine.block_manager import BlockManager
 from batchstring.engine.config import EngineConfig
-from batchstring.engine.policy import BatchingPolicy
+from batchstring.engine.policy import ContinuousBatching
 from batchstring.engine.sequence import Sequence, Status
 
 
@@ -46,7 +49,7 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, blocks: BlockManager, policy: BatchingPolicy,
+    def __init__(self, config: EngineConfig, blocks: BlockManager, policy: ContinuousBatching,
                  eos_token_ids: tuple[int, ...]) -> None:
         self.config = config
         self.blocks = blocks
@@ -81,6 +84,10 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def all(self) -> list[Sequence]:
+        """Every sequence the scheduler holds, running or waiting."""
+        return [*self.running, *self.waiting]
 
     def schedule(self) -> ScheduledStep | None:
         budget = self.config.max_num_batched_tokens
@@ -181,17 +188,40 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.preemptions += 1
 
+    def keeps_as_padding(self, seq: Sequence) -> bool:
+        """Whether a sequence that just finished stays in its batch (static batching); if so it is
+        marked as padding: its row computes on, and nothing it generates is its answer any more."""
+        seq.padding = seq.status is Status.RUNNING and self.policy.pads(seq, self.running)
+        return seq.padding
+
+    def padding_done(self, max_len: int) -> list[Sequence]:
+        return self.policy.padding_done(self.running, max_len)
+
+    @contextmanager
+    def scratch(self, seq: Sequence, num_tokens: int) -> Iterator[bool]:
+        """Blocks for a throw-away sequence (the isolation probe) while the context lasts; yields
+        whether there was room for it."""
+        if not self.blocks.can_grow(seq, num_tokens):
+            yield False
+            return
+        self.blocks.grow(seq, num_tokens)
+        try:
+            yield True
+        finally:
+            self.blocks.release(seq)
+
     def retire(self, seq: Sequence) -> None:
+        """Done with `seq` (answered, or failed before it was ever added): its blocks are freed."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
-        elif seq.status is Status.WAITING:
+        elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.release(seq)
         seq.status = Status.FINISHED
 
     # ----- after a step ------------------------------------------------------------------------
 
-    def update(self, work: list[Work], sampled: list[Sequence], tokens: np.ndarray) -> list[tuple[Sequence, str]]:
+    def update(self, work: list[Work], sampled: list[Sequence], tokens: np.ndarray) -> dict[Sequence, str]:
         """Records a successful step; returns the sequences that ended, with why (stop / length).
 
         A plain loop: per row it is a list append and two comparisons, cheaper than building
@@ -204,14 +234,14 @@ class Scheduler:
             if self.blocks.prefix_caching and seq.num_cached // size > len(seq.block_hashes):
                 self.blocks.commit(seq)
         eos = self.eos
-        ended = []
+        ended = {}
         for seq, token in zip(sampled, tokens.tolist()):
             generated = seq.output_ids
             generated.append(token)
-            if seq.held:
+            if seq.padding:
                 continue
             if token in eos and not seq.params.ignore_eos:
-                ended.append((seq, "stop"))
+                ended[seq] = "stop"
             elif len(generated) >= seq.params.max_tokens:  # admission checked it fits the context
-                ended.append((seq, "length"))
+                ended[seq] = "length"
         return ended

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,10 +40,9 @@ class Sequence:
     row: int | None = None  # its row in the block manager's table while it holds blocks
     num_cached: int = 0  # leading tokens whose K/V are in the cache
     status: Status = Status.WAITING
-    arrival: float = field(default_factory=time.monotonic)
     order: int = field(default_factory=lambda: next(_arrival_order))
     first_token_at: float | None = None
-    held: bool = False  # static scheduling: finished, but its row computes on until its batch ends
+    padding: bool = False  # static batching: finished, its row computes on until its batch ends
     rng: np.random.Generator | None = None  # a seeded request's own random stream
 
     def __post_init__(self) -> None:

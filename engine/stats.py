@@ -28,7 +28,6 @@ class EngineStats:
     cached_blocks: int = 0  # KV blocks whose contents the prefix cache can offer
     step_sizes: dict[int, int] = field(default_factory=dict)  # batch size -> steps of that size
     runner_seconds: float = 0.0  # time inside the runner's step: the rest of a step is host work
-    step_seconds: float = 0.0  # time of whole steps (schedule, build, run, update, respond)
 
     def record_step(self, size: int, prefill: bool) -> None:
         self.steps += 1

@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from batchstring.client import AsyncBatchClient
 from batchstring.engine.config import EngineConfig
-from batchstring.engine.engine import Engine
+from batchstring.engine.core import EngineCore
 from batchstring.engine.sampling import SamplingParams
 from batchstring.export.layout import MODEL_VERSION_DIR
 from batchstring.loadtest.workload import Item, mixed
@@ -166,7 +166,7 @@ class SeedAsyncio:
     """The classic asyncio batcher in-process (loadtest/seed_batcher.py)."""
 
     def __init__(self) -> None:
-        self.engine = Engine(EngineConfig(model_dir=MODEL_VERSION_DIR, scheduling="static"))
+        self.engine = EngineCore(EngineConfig(model_dir=MODEL_VERSION_DIR, scheduling="static"))
         self.extra: dict = {}
 
     def measure(self, items: list[Item], concurrency: int) -> tuple[list[Sample], float]:
@@ -212,14 +212,14 @@ class Ceiling:
         self.extra: dict = {}
 
     def measure(self, items: list[Item], concurrency: int) -> tuple[list[Sample], float]:
-        engine = Engine(EngineConfig(model_dir=MODEL_VERSION_DIR))
+        engine = EngineCore(EngineConfig(model_dir=MODEL_VERSION_DIR))
         pending, live = list(reversed(items)), []
         while pending or live:
             while pending and len(live) < concurrency:
                 item = pending.pop()
                 params = SamplingParams(max_tokens=item.max_tokens, ignore_eos=True, **self.sampling)
                 seq = engine.make_sequence(item.prompt, params, lambda out: None)
-                engine.scheduler.add(seq)
+                engine.add(seq)
                 live.append(seq)
             engine.step()
             live = [s for s in live if not s.finished]

@@ -29,10 +29,11 @@ from tqdm import tqdm
 
 from batchstring.engine.batch import Work, build_step
 from batchstring.engine.config import EngineConfig
-from batchstring.engine.engine import Engine
+from batchstring.engine.core import EngineCore
 from batchstring.engine.output import RequestOutput
 from batchstring.engine.sampling import SamplingParams
 from batchstring.engine.sequence import Sequence
+from batchstring.engine.serving import ServingEngine
 from batchstring.export.layout import MODEL_VERSION_DIR
 from batchstring.loadtest import host_overhead, interference
 from batchstring.loadtest.workload import Item, mixed
@@ -98,10 +99,10 @@ class _StaticGroups:
 
 def run_mode(model_dir: Path, mode: str, items: list[Item], arrivals: np.ndarray, scenario: str,
              **engine_args) -> RunResult:
-    engine = Engine(EngineConfig(model_dir=model_dir, scheduling=mode, **engine_args))
+    engine = ServingEngine(EngineConfig(model_dir=model_dir, scheduling=mode, **engine_args))
     tracker = _Tracker(len(items), f"{mode:>10} {scenario}")
     groups = _StaticGroups(engine.config.max_num_seqs)
-    seqs = [engine.make_sequence(item.prompt, SamplingParams(max_tokens=item.max_tokens, temperature=0.0,
+    seqs = [engine.core.make_sequence(item.prompt, SamplingParams(max_tokens=item.max_tokens, temperature=0.0,
                                                              ignore_eos=True), tracker, request_id=str(i))
             for i, item in enumerate(items)]
     start = time.monotonic()
@@ -123,7 +124,7 @@ def run_mode(model_dir: Path, mode: str, items: list[Item], arrivals: np.ndarray
     end = max(tracker.done.values())
     latency = np.array([tracker.done[s.request_id] - submitted[s.request_id] for s in seqs])
     ttft = np.array([s.first_token_at - submitted[s.request_id] for s in seqs])
-    s = engine.stats
+    s = engine.core.stats
     return RunResult(mode, scenario, len(items), tracker.tokens, end - start, tracker.tokens / (end - start),
                      float(np.percentile(latency, 50)), float(np.percentile(latency, 99)),
                      float(np.percentile(ttft, 50)), s.step_seqs / max(1, s.steps))
@@ -131,7 +132,8 @@ def run_mode(model_dir: Path, mode: str, items: list[Item], arrivals: np.ndarray
 
 def runner_ceiling(model_dir: Path, past: int = 128, steps: int = 20) -> dict[int, float]:
     """Decode tokens/s of the bare runner (no scheduling, no building of inputs, no responses)."""
-    engine = Engine(EngineConfig(model_dir=model_dir, max_num_seqs=max(CEILING_BATCHES)))
+    engine = EngineCore(EngineConfig(model_dir=model_dir, max_num_seqs=max(CEILING_BATCHES)))
+    blocks = engine.scheduler.blocks
     ids = engine.codec.encode("x" * 4096)[:past]
     result = {}
     for batch in tqdm(CEILING_BATCHES, desc="runner ceiling", leave=False):
@@ -139,9 +141,9 @@ def runner_ceiling(model_dir: Path, past: int = 128, steps: int = 20) -> dict[in
                 for _ in range(batch)]
         for s in seqs:
             s.prompt_ids, s.output_ids = list(ids), [0]
-            engine.blocks.grow(s, past + 1)
+            blocks.grow(s, past + 1)
             s.num_cached = past
-        step_batch = build_step([Work(s, 1) for s in seqs], engine.blocks)
+        step_batch = build_step([Work(s, 1) for s in seqs], blocks)
         engine.runner.step(step_batch)
         timings = []
         for _ in range(steps):
@@ -150,7 +152,7 @@ def runner_ceiling(model_dir: Path, past: int = 128, steps: int = 20) -> dict[in
             timings.append(time.perf_counter() - t)
         result[batch] = batch / float(np.median(timings))
         for s in seqs:
-            engine.blocks.release(s)
+            blocks.release(s)
     return result
 
 

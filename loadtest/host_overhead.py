@@ -1,6 +1,6 @@
 """How much of each engine step is host (Python) work, per sampling mode: `engine-bench` section.
 
-In-process `Engine.generate` of `batch` sequences of `max_tokens` tokens each; "runner" is the
+In-process `EngineCore.generate` of `batch` sequences of `max_tokens` tokens each; "runner" is the
 time inside the runner's step (the exported graph, including sampling, and the cache write-back),
 "host" is the rest of the wall time (scheduling, building the step's inputs, appending tokens,
 text and stop strings, responses). The device should never wait for Python: host time should be
@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from batchstring.engine.config import EngineConfig
-from batchstring.engine.engine import Engine
+from batchstring.engine.core import EngineCore
 from batchstring.engine.output import RequestOutput
 from batchstring.engine.sampling import SamplingParams
 from batchstring.loadtest.workload import mixed
@@ -72,7 +72,7 @@ def measure(model_dir: Path, mode: str, batch: int, repeats: int = 3, profile: c
     options = dict(MODES[mode])
     stream = options.pop("stream", False)
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **options)
-    engine = Engine(EngineConfig(model_dir=model_dir, max_num_seqs=max(64, batch), **engine_args))
+    engine = EngineCore(EngineConfig(model_dir=model_dir, max_num_seqs=max(64, batch), **engine_args))
     engine.warm_up()
     items = mixed(batch, prompt_tokens=(16, 64), max_tokens=(MAX_TOKENS, MAX_TOKENS), seed=1, model_dir=model_dir)
     runs = []

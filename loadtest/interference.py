@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from batchstring.engine.config import EngineConfig
-from batchstring.engine.engine import Engine
 from batchstring.engine.output import RequestOutput
 from batchstring.engine.sampling import SamplingParams
+from batchstring.engine.serving import ServingEngine
 from batchstring.loadtest.workload import mixed
 
 LONG = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
@@ -40,7 +40,7 @@ class Interference:
 class _Decoders:
     """Keeps `count` decoding sequences alive; records the gaps between their pieces."""
 
-    def __init__(self, engine: Engine, items: list, count: int, until: float) -> None:
+    def __init__(self, engine: ServingEngine, items: list, count: int, until: float) -> None:
         self.engine, self.items, self.until = engine, items, until
         self.last: dict[str, float] = {}
         self.gaps: list[float] = []
@@ -55,7 +55,7 @@ class _Decoders:
         item = self.items[self._next % len(self.items)]
         self._next += 1
         params = SamplingParams(max_tokens=item.max_tokens, temperature=0.0, ignore_eos=True)
-        self.engine.submit(self.engine.make_sequence(item.prompt, params, self, stream=True))
+        self.engine.submit(self.engine.core.make_sequence(item.prompt, params, self, stream=True))
 
     def __call__(self, out: RequestOutput) -> None:
         now = time.perf_counter()
@@ -74,8 +74,8 @@ class _Decoders:
 
 def measure(model_dir: Path, chunked: bool, decoders: int = 32, every: float = 0.5, seconds: float = 15.0,
             **engine_args) -> Interference:
-    engine = Engine(EngineConfig(model_dir=model_dir, enable_chunked_prefill=chunked, **engine_args))
-    engine.warm_up()
+    engine = ServingEngine(EngineConfig(model_dir=model_dir, enable_chunked_prefill=chunked, **engine_args))
+    engine.core.warm_up()
     short = mixed(256, prompt_tokens=(32, 32), max_tokens=(256, 448), seed=2, model_dir=model_dir)
     long = [i.prompt for i in mixed(32, prompt_tokens=(450, 450), max_tokens=(32, 32), seed=3, model_dir=model_dir)]
     long_done: list[int] = []
@@ -90,7 +90,7 @@ def measure(model_dir: Path, chunked: bool, decoders: int = 32, every: float = 0
 
     while time.perf_counter() < began + seconds - every:
         time.sleep(every)
-        engine.submit(engine.make_sequence(long[count % len(long)], LONG, finished))
+        engine.submit(engine.core.make_sequence(long[count % len(long)], LONG, finished))
         count += 1
     traffic.done.wait()
     while len(long_done) < count:

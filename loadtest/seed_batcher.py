@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 from dataclasses import dataclass
 
-from batchstring.engine.engine import Engine
+from batchstring.engine.core import EngineCore
 from batchstring.engine.sampling import SamplingParams
 
 MAX_BATCH = 16
@@ -28,7 +28,7 @@ class _Pending:
 
 
 class SeedBatcher:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: EngineCore) -> None:
         self.engine = engine
         self.queue: asyncio.Queue[_Pending] = asyncio.Queue()
         self._loop_task: asyncio.Task | None = None

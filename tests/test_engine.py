@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
 import pytest
 
 from batchstring.engine.batch import sampling_inputs
-from batchstring.engine.engine import CANCEL_CHECK_SECONDS
-from batchstring.engine.errors import InvalidRequest
+from batchstring.engine.errors import EngineBroken, InvalidRequest
 from batchstring.engine.sampling import SamplingParams
 from batchstring.engine.sequence import Status
 from tests.engine_helpers import GREEDY, Collector, alone, engine, varied_prompts
@@ -36,7 +36,7 @@ def interleave(eng, prompts, params=GREEDY, every: int = 2, per_wave: int = 5, *
     while pending or any(not s.finished for s in seqs):
         if step % every == 0:
             for s in pending[:per_wave]:
-                eng.scheduler.add(s)
+                eng.add(s)
             pending = pending[per_wave:]
         eng.step()
         step += 1
@@ -58,7 +58,7 @@ def test_static_scheduling_gives_the_same_tokens_and_answers_each_batch_together
     seqs = [eng.make_sequence(p, params[i], sink, group=i // 16) for i, p in enumerate(prompts)]
     answered_at: dict[str, int] = {}
     for s in seqs:
-        eng.scheduler.add(s)
+        eng.add(s)
     while any(not s.finished for s in seqs):
         eng.step()
         for s in seqs:
@@ -80,7 +80,7 @@ def test_preemption_under_a_small_cache_recomputes_and_keeps_outputs(model_dir, 
     seqs, _ = interleave(eng, prompts, per_wave=10)
     assert eng.stats.preemptions > 0, "the cache was meant to be too small for all sequences"
     assert [s.output_ids for s in seqs] == reference
-    assert eng.blocks.num_free == eng.blocks.num_blocks
+    assert eng.scheduler.blocks.num_free == eng.scheduler.blocks.num_blocks
 
 
 def test_streamed_pieces_concatenate_to_the_non_streamed_text(model_dir, prompts):
@@ -138,21 +138,82 @@ def test_one_poisoned_request_fails_alone_and_the_others_complete(model_dir, pro
     assert eng.scheduler.admit_cap == eng.config.max_num_seqs, "a failure isolated to one request costs nobody"
 
 
-def test_cancelled_request_stops_within_the_check_interval_and_frees_its_cache(model_dir):
+def test_an_aborted_request_stops_at_once_and_frees_its_cache(model_dir):
     eng = engine(model_dir)
     sink = Collector()
-    cancelled = {"flag": False}
-    s = eng.make_sequence("def ", SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True), sink,
-                          is_cancelled=lambda: cancelled["flag"])
-    eng.scheduler.add(s)
+    s = eng.make_sequence("def ", SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True), sink)
+    other = eng.make_sequence("import os\n", SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), sink)
+    eng.add(s)
+    eng.add(other)
     for _ in range(5):
         eng.step()
-    assert s.status is Status.RUNNING and eng.blocks.num_free < eng.blocks.num_blocks
-    cancelled["flag"] = True
-    time.sleep(CANCEL_CHECK_SECONDS)
-    eng.step()
-    assert s.finished and sink.final(s).finish_reason == "abort"
-    assert eng.blocks.num_free == eng.blocks.num_blocks and eng.stats.cancelled == 1
+    assert s.status is Status.RUNNING and eng.scheduler.blocks.num_free < eng.scheduler.blocks.num_blocks
+    eng.abort(s, "cancelled by the client")
+    assert s.finished and sink.final(s).finish_reason == "abort" and sink.final(s).error == "cancelled by the client"
+    eng.generate([other])
+    assert sink.final(other).finish_reason == "length", "its batch-mate is not affected"
+    assert eng.scheduler.blocks.num_free == eng.scheduler.blocks.num_blocks and eng.stats.cancelled == 1
+
+
+def test_a_request_past_its_deadline_is_dropped_by_expire(model_dir):
+    eng = engine(model_dir)
+    sink = Collector()
+    late = eng.make_sequence("def ", SamplingParams(max_tokens=100, temperature=0.0), sink, deadline=time.monotonic())
+    eng.add(late)
+    eng.expire(time.monotonic() + 0.001)
+    assert late.finished and "deadline" in sink.final(late).error
+
+
+class _BrokenDevice:
+    """A runner whose every step fails, as after a sticky CUDA error."""
+
+    def __init__(self, real) -> None:
+        self.keys, self.values = real.keys, real.values
+
+    def step(self, batch):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_generate_on_a_device_that_fails_every_step_raises_at_once_and_answers_everyone(model_dir):
+    real = engine(model_dir)
+    eng = engine(model_dir, runner=_BrokenDevice(real.runner))
+    sink = Collector()
+    seqs = [eng.make_sequence(p, GREEDY, sink) for p in ("def ", "import os\n", "class A:")]
+    began = time.monotonic()
+    with pytest.raises(EngineBroken, match="illegal memory access"):
+        eng.generate(seqs)
+    assert time.monotonic() - began < 1.0
+    assert all(s.finished for s in seqs)
+    assert all(sink.final(s).retryable and "probe" in sink.final(s).error for s in seqs)
+    with pytest.raises(EngineBroken, match="warm-up failed on cpu"):
+        eng.warm_up()
+
+
+def test_the_serving_engine_answers_every_waiter_and_tells_its_host_when_the_device_breaks(model_dir):
+    from batchstring.engine.config import EngineConfig
+    from batchstring.engine.serving import ServingEngine
+
+    told = threading.Event()
+    real = engine(model_dir)
+    served = ServingEngine(EngineConfig(model_dir=model_dir), runner=_BrokenDevice(real.runner),
+                           on_broken=lambda why: told.set())
+    done = threading.Event()
+    finals = []
+
+    def sink(out):
+        if out.finished:
+            finals.append(out)
+            if len(finals) == 3:
+                done.set()
+
+    served.start()
+    served.submit(*[served.make_sequence(p, GREEDY, sink) for p in ("def ", "import os\n", "class A:")])
+    assert done.wait(5) and told.wait(5)
+    assert all(f.retryable and f.finish_reason == "abort" for f in finals)
+    late = []
+    served.submit(served.make_sequence("x = 1", GREEDY, late.append))
+    assert late and late[0].retryable, "a broken engine refuses new work at once"
+    served.stop()
 
 
 def test_cache_is_preallocated_once(model_dir, prompts):
@@ -197,12 +258,12 @@ def test_a_seeded_sampled_request_gives_the_same_tokens_alone_and_among_forty_ot
               for i, p in enumerate(prompts[:40])]
     seeded = eng.make_sequence(prompts[3], SEEDED, lambda o: None)
     for s in others[:25]:  # the seeded one joins a running crowd, at another position in the batch
-        eng.scheduler.add(s)
+        eng.add(s)
     for _ in range(3):
         eng.step()
-    eng.scheduler.add(seeded)
+    eng.add(seeded)
     for s in others[25:]:
-        eng.scheduler.add(s)
+        eng.add(s)
     while not all(s.finished for s in [*others, seeded]):
         eng.step()
     assert max(eng.stats.step_sizes) >= 20, "the seeded request must really share steps with many others"
@@ -219,10 +280,10 @@ def test_the_step_bans_the_end_of_sequence_until_min_tokens_and_seeds_draw_their
     seqs = [eng.make_sequence("x", p, lambda o: None) for p in params]
     for s, generated in zip(seqs, (2, 2, 0, 5)):
         s.output_ids = [1] * generated
-    feeds = sampling_inputs(seqs, np.random.default_rng(0))
-    assert feeds["ban_rows"].tolist() == [0]
-    assert feeds["sample_rows"].tolist() == [0, 1, 3]  # the greedy row needs no sampling
-    assert feeds["uniform"][2] == np.float32(1.0 - np.random.default_rng(11).random())
+    sampling = sampling_inputs(seqs, np.random.default_rng(0))
+    assert sampling.ban_rows.tolist() == [0]
+    assert sampling.sample_rows.tolist() == [0, 1, 3]  # the greedy row needs no sampling
+    assert sampling.uniform[2] == np.float32(1.0 - np.random.default_rng(11).random())
 
 
 def test_logprobs_come_with_each_generated_token(model_dir):
@@ -261,5 +322,5 @@ def test_prefix_caching_and_chunked_prefill_give_the_tokens_of_whole_solo_prefil
     seqs, _ = interleave(eng, prompts, params, per_wave=6)
     assert [i for i, s in enumerate(seqs) if s.output_ids != reference[i]] == []
     assert chunks and max(chunks) <= 96, "long prompts were prefilled in chunks"
-    assert eng.blocks.hit_tokens > 30 * 200, "the shared instruction was computed once and reused"
-    assert eng.blocks.num_free == eng.blocks.num_blocks and eng.blocks.cached_blocks > 0
+    assert eng.scheduler.blocks.hit_tokens > 30 * 200, "the shared instruction was computed once and reused"
+    assert eng.scheduler.blocks.num_free == eng.scheduler.blocks.num_blocks and eng.scheduler.blocks.cached_blocks > 0

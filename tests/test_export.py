@@ -131,7 +131,7 @@ def test_a_bfloat16_export_records_its_dtype_the_checkpoints_eos_ids_and_samplin
     import shutil
 
     from batchstring.engine.config import EngineConfig
-    from batchstring.engine.engine import Engine
+    from batchstring.engine.core import EngineCore
     from batchstring.engine.sampling import SamplingParams
 
     source = tmp_path / "llama3-style"
@@ -148,7 +148,7 @@ def test_a_bfloat16_export_records_its_dtype_the_checkpoints_eos_ids_and_samplin
     text = " ".join(result.stdout.split())
     assert "HF itself" in text and "at least 0.05" in text and "greedy identical for" in text
     assert "structure was checked" in text, "ONNX Runtime's CPU provider has no bfloat16 kernels: checked structurally"
-    engine = Engine(EngineConfig(model_dir=out, runtime="torchscript", kv_cache_tokens=1024))
+    engine = EngineCore(EngineConfig(model_dir=out, runtime="torchscript", kv_cache_tokens=1024))
     assert engine.runner.keys.dtype == torch.bfloat16, "the KV cache is in the export's dtype"
     seq = engine.make_sequence("def f(x):", SamplingParams(max_tokens=12, temperature=0), lambda o: None)
     engine.generate([seq])

@@ -40,7 +40,7 @@ def fake_step(sched: Scheduler, token: int = 7) -> list[Sequence]:
     if step is None:
         return []
     sampled = [w.seq for w in step.work if w.samples]
-    for s, _ in sched.update(step.work, sampled, np.full(len(sampled), token)):
+    for s in sched.update(step.work, sampled, np.full(len(sampled), token)):
         sched.retire(s)
     return step.seqs
 
@@ -52,8 +52,8 @@ def owned_blocks_are_consistent(sched: Scheduler) -> None:
     for s in sched.running:
         for b in s.blocks:
             owners[b] = owners.get(b, 0) + 1
-    assert all(blocks._refs[b] == n for b, n in owners.items())
-    free = set(blocks._plain) | set(blocks._cached)
+    assert all(blocks.references(b) == n for b, n in owners.items())
+    free = blocks.free_blocks()
     assert not free & set(owners) and len(free) + len(owners) == blocks.num_blocks
 
 
@@ -215,7 +215,7 @@ def test_the_budget_is_never_exceeded_under_random_load():
             continue
         assert sum(w.new for w in step.work) <= 24
         sampled = [w.seq for w in step.work if w.samples]
-        for s, _ in sched.update(step.work, sampled, np.full(len(sampled), 7)):
+        for s in sched.update(step.work, sampled, np.full(len(sampled), 7)):
             sched.retire(s)
         for s in [s for s in sched.running if len(s.output_ids) >= rng.randint(1, 30)]:
             sched.retire(s)
@@ -262,7 +262,7 @@ def test_update_ends_sequences_at_eos_and_at_max_tokens_unless_eos_is_ignored():
     for s in (eos, length, ignoring):
         sched.add(s)
     step = sched.schedule()
-    ended = dict(sched.update(step.work, step.seqs, np.array([EOS, 5, EOS])))
+    ended = sched.update(step.work, step.seqs, np.array([EOS, 5, EOS]))
     assert ended == {eos: "stop", length: "length"}
     assert [s.num_cached for s in step.seqs] == [3, 3, 3] and ignoring.output_ids == [EOS]
 

@@ -32,9 +32,10 @@ from metrics import MetricsPublisher  # noqa: E402
 from responder import Responder, error  # noqa: E402
 
 from batchstring.engine.config import EngineConfig  # noqa: E402
-from batchstring.engine.engine import Engine  # noqa: E402
 from batchstring.engine.errors import InvalidRequest  # noqa: E402
+from batchstring.engine.faults import fault_kind  # noqa: E402
 from batchstring.engine.sampling import parse_sampling_parameters  # noqa: E402
+from batchstring.engine.serving import ServingEngine  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -51,18 +52,20 @@ class TritonPythonModel:
             model_dir=Path(args["model_repository"]) / args["model_version"],
             device=f"cuda:{args['model_instance_device_id']}" if gpu else "cpu",
         )
-        self.engine = Engine(engine_config, on_broken=self._broken)
-        self.engine.warm_up()
+        self.engine = ServingEngine(engine_config, on_broken=self._broken)
+        self.engine.core.warm_up()
         self.responder = Responder(pb_utils, self.engine.abandon)
         self.responder.start()
         self.engine.start()
         self.groups = itertools.count()
-        self.metrics = MetricsPublisher(pb_utils, self.engine.stats, args["model_name"], args["model_instance_name"])
+        self.metrics = MetricsPublisher(pb_utils, self.engine.core.stats, args["model_name"],
+                                        args["model_instance_name"])
         self.metrics.start()
+        cache = self.engine.core.cache
         pb_utils.Logger.log_info(
             f"batchstring engine ready: {engine_config.runtime} on {engine_config.device}, "
-            f"{engine_config.scheduling} scheduling, KV cache {engine_config.kv_cache_tokens} tokens "
-            f"({engine_config.kv_cache_tokens * self.engine.spec.bytes_per_token / 2**20:.0f} MiB)"
+            f"{engine_config.scheduling} scheduling, KV cache {cache.tokens} tokens "
+            f"({cache.tokens * self.engine.core.spec.bytes_per_token / 2**20:.0f} MiB; {cache.reason})"
         )
 
     def execute(self, requests: list) -> None:
@@ -80,7 +83,7 @@ class TritonPythonModel:
             except Exception as exc:  # a bug must fail this request alone, never its batch-mates
                 _refuse(sender, f"internal error while reading the request: {type(exc).__name__}: {exc}", "INTERNAL")
             else:
-                ticket.send_fault = self.engine.faults.kind(ticket.seq.output.prompt) == "send"
+                ticket.send_fault = fault_kind(self.engine.config.fault_marker, ticket.seq.output.prompt) == "send"
                 self.responder.track(ticket)
                 accepted.append(ticket.seq)
         # Submitted together, after parsing: the whole Triton batch joins the same engine
@@ -106,13 +109,13 @@ class TritonPythonModel:
             raise InvalidRequest("sampling_parameters is not valid UTF-8; send a UTF-8 JSON object") from None
         cfg = self.engine.config
         request_parameters = json.loads(request.parameters() or "{}")
-        params = parse_sampling_parameters(params_text, self.engine.spec.context_length, cfg.default_max_tokens,
-                                           request_parameters, self.engine.spec.sampling_defaults)
+        params = parse_sampling_parameters(params_text, self.engine.core.spec.context_length, cfg.default_max_tokens,
+                                           request_parameters, self.engine.core.spec.sampling_defaults)
         stream = bool(_scalar(request, "stream") or False)
         include_input = not bool(_scalar(request, "exclude_input_in_output") or False)
         # Microseconds the caller will wait (our client sends them): the engine drops the work after.
         deadline_us = request_parameters.get("deadline_us")
-        return self.engine.make_sequence(
+        return self.engine.core.make_sequence(
             prompt,
             params,
             sink,

@@ -47,8 +47,6 @@ class Responder:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._live: set[Ticket] = set()  # requests that may still be cancelled
         self._thread = threading.Thread(target=self._run, name="batchstring-responder", daemon=True)
-        self.sent = 0
-        self.failed_sends = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -100,7 +98,6 @@ class Responder:
         try:
             self._send(ticket, out)
         except Exception as exc:  # the client is gone or the frontend refused: stop its work, carry on
-            self.failed_sends += 1
             self._live.discard(ticket)
             if not out.finished:
                 self.abandon(ticket.seq, f"the response could not be sent ({exc})")
@@ -114,7 +111,6 @@ class Responder:
             raise RuntimeError("send failed (injected fault)")
         final = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if out.finished else 0
         ticket.sender.send(self._response(out), flags=final)
-        self.sent += 1
 
     def _poll_cancellations(self) -> None:
         now = time.monotonic()

@@ -1,0 +1,217 @@
+"""The engine's core: one iteration at a time — schedule, run, update, outputs.
+
+No threads and no clocks of its own: tests, benchmarks and the serving shell (engine/serving.py)
+drive it the same way, through `add`, `step`, `abort` and `generate`. The scheduler owns the
+paged KV cache's blocks; the isolated step (engine/isolation.py) owns running the exported step
+so that only a request that fails on its own gets an error; this module turns what a step did
+into each request's responses.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+
+from batchstring.engine.batch import StepBatch
+from batchstring.engine.block_manager import BlockManager
+from batchstring.engine.config import EngineConfig
+from batchstring.engine.errors import EngineBroken, InvalidRequest
+from batchstring.engine.faults import with_faults
+from batchstring.engine.isolation import IsolatedStep, Ran
+from batchstring.engine.memory import plan_cache
+from batchstring.engine.output import OutputSink, OutputStream, TokenLogprob
+from batchstring.engine.policy import policy_for
+from batchstring.engine.runner import PagedCacheRunner, RuntimeSpec, build_runner
+from batchstring.engine.sampling import SamplingParams
+from batchstring.engine.scheduler import Scheduler
+from batchstring.engine.sequence import Sequence
+from batchstring.engine.stats import EngineStats
+from batchstring.engine.tokenizer import TextCodec
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, runner: PagedCacheRunner | None = None) -> None:
+        self.config = config
+        model_dir = Path(config.model_dir)
+        self.spec = RuntimeSpec.load(model_dir / "runtime.json")
+        self.codec = TextCodec.from_file(model_dir / "tokenizer.json", self.spec.vocab_size)
+        self.cache = plan_cache(config, self.spec, model_dir)
+        num_blocks = -(-self.cache.tokens // config.block_size)
+        self.max_len = min(self.spec.context_length, num_blocks * config.block_size)
+        blocks = BlockManager(num_blocks, config.block_size, config.max_num_seqs, self.max_len,
+                              config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, blocks, policy_for(config.scheduling), self.spec.eos_token_ids)
+        self.stats = EngineStats()
+        runner = runner or build_runner(config.runtime, model_dir, self.spec, num_blocks * config.block_size,
+                                        config.device, config.threads)
+        self.runner = with_faults(runner, config.fault_marker)
+        self.isolation = IsolatedStep(self.runner, self.scheduler, self.stats, self.spec.eos_token_ids)
+        self._ids = itertools.count()
+
+    # ----- requests in -------------------------------------------------------------------------
+
+    def make_sequence(self, prompt: str, params: SamplingParams, sink: OutputSink, *, request_id: str | None = None,
+                      stream: bool = False, include_input: bool = False, group: int = 0,
+                      deadline: float | None = None) -> Sequence:
+        """Tokenises and checks a request against the model's and the cache's limits (any thread)."""
+        size = len(prompt.encode("utf-8", errors="surrogatepass"))
+        if size > self.config.max_input_bytes:
+            raise InvalidRequest(f"text_input is {size} bytes; at most {self.config.max_input_bytes} bytes are allowed")
+        try:
+            ids = self.codec.encode(prompt)
+        except ValueError as exc:
+            raise InvalidRequest(f"text_input: {exc}") from None
+        if not ids:
+            raise InvalidRequest("text_input is empty; send at least one character")
+        if len(ids) + params.max_tokens > self.max_len:
+            limit = "the model's context" + ("" if self.max_len == self.spec.context_length else " / KV cache")
+            raise InvalidRequest(
+                f"prompt is {len(ids)} tokens and max_tokens is {params.max_tokens}; their sum must be at most "
+                f"{self.max_len} ({limit}); shorten the prompt or lower max_tokens")
+        request_id = request_id or f"req-{next(self._ids)}"
+        output = OutputStream(request_id, prompt, len(ids), sink, self.codec, params, stream=stream,
+                              include_input=include_input)
+        return Sequence(request_id, ids, params, output, group=group, deadline=deadline)
+
+    def add(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def abort(self, seq: Sequence, why: str) -> None:
+        """Stops work nobody will read (cancelled, past its deadline, its caller unreachable): its
+        cache is freed now and it gets a final `abort` response."""
+        if seq.finished or seq.padding:
+            return  # answered already, or in all but delivery
+        self.stats.cancelled += 1
+        self._finish(seq, "abort", error=why)
+
+    def expire(self, now: float) -> None:
+        """Aborts every request whose caller's deadline has passed."""
+        for seq in [s for s in self.scheduler.all() if s.deadline is not None and now > s.deadline]:
+            self.abort(seq, "the request's deadline passed before it finished")
+
+    def drain(self, error: str) -> None:
+        """Answers every request held, with a retryable `error` (shutdown, a broken engine)."""
+        for seq in self.scheduler.all():
+            if seq.padding:
+                self._deliver_deferred(seq)
+            else:
+                self.fail(seq, error)
+
+    def fail(self, seq: Sequence, error: str) -> None:
+        """A retryable error for a request the engine cannot serve (it was never or is no longer run)."""
+        if not seq.finished:
+            self.scheduler.retire(seq)
+            seq.output.deliver(seq.output.final(seq.output_ids, "abort", error, retryable=True))
+
+    # ----- the step ----------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """One iteration; False when there was nothing to run. Raises EngineBroken when the device
+        fails every step (see engine/isolation.py)."""
+        scheduled = self.scheduler.schedule()
+        if scheduled is None:
+            self._update_gauges()  # requests may have left without a step (aborted, expired)
+            return False
+        ran, failed = self.isolation.run(scheduled.work)
+        ended = [self.scheduler.update(r.work, r.batch.sampled, r.out.tokens) for r in ran]
+        self._respond(scheduled.prefill, ran, ended, failed)
+        return True
+
+    def generate(self, seqs: list[Sequence]) -> None:
+        """In-process use: runs until every sequence is answered. If the engine breaks, every one of
+        them gets its error and EngineBroken is raised at once."""
+        for seq in seqs:
+            self.add(seq)
+        while any(not s.finished for s in seqs):
+            try:
+                self.step()
+            except EngineBroken as exc:
+                self.drain(str(exc))
+                raise
+
+    def warm_up(self) -> None:
+        """A few throw-away steps before serving, so that the runtime's first-run work (allocations,
+        kernel selection) is not paid by the first callers; stats start after it. A failure here
+        names what failed (the model cannot serve)."""
+        params = SamplingParams(max_tokens=4, temperature=1.0, top_p=0.9, ignore_eos=True)
+        seqs = [self.make_sequence("def warm_up(x):\n" * (i + 1), params, lambda out: None) for i in range(4)]
+        try:
+            self.generate(seqs)
+        except EngineBroken as exc:
+            raise EngineBroken(f"warm-up failed on {self.config.device} with {self.config.runtime}: {exc}") from None
+        self.stats = self.isolation.stats = EngineStats()
+
+    # ----- after the step ----------------------------------------------------------------------
+
+    def _respond(self, prefill: bool, ran: list[Ran], ended: list[dict[Sequence, str]],
+                 failed: list[tuple[Sequence, BaseException]]) -> None:
+        self.stats.record_step(sum(len(r.work) for r in ran) + len(failed), prefill)
+        for r, finished in zip(ran, ended):
+            self._record_tokens(r.batch, prefill)
+            rows = [i for i, seq in enumerate(r.batch.sampled) if seq.output.per_token and not seq.padding]
+            if rows:
+                self._push_tokens(r, rows, finished)
+            for seq, reason in finished.items():
+                if not seq.finished:
+                    self._finish(seq, reason, ended_by_eos=reason == "stop")
+        for seq, exc in failed:
+            self.stats.failures_isolated += 1
+            self._finish(seq, "error", error=f"model step failed for this request: {exc}")
+        for seq in self.scheduler.padding_done(self.max_len):
+            self._deliver_deferred(seq)
+        self._update_gauges()
+
+    def _record_tokens(self, batch: StepBatch, prefill: bool) -> None:
+        self.stats.generated_tokens += len(batch.sampled)
+        if prefill:
+            now = time.monotonic()
+            for seq in batch.sampled:
+                if seq.first_token_at is None:
+                    seq.first_token_at = now
+                    self.stats.prompt_tokens += len(seq.prompt_ids)
+
+    def _push_tokens(self, r: Ran, rows: list[int], finished: dict[Sequence, str]) -> None:
+        """Text (streamed pieces, stop strings) and log-probabilities, for the rows that need them."""
+        sample_index = None
+        for i in rows:
+            seq = r.batch.sampled[i]
+            if finished.get(seq) == "stop":
+                continue  # an end-of-sequence token: no text
+            token = int(r.out.tokens[i])
+            entry = None
+            if seq.params.logprobs is not None:  # such rows are always among the sampled ones
+                if sample_index is None:
+                    sample_index = {int(row): m for m, row in enumerate(r.batch.sampling.sample_rows)}
+                m, n = sample_index[i], seq.params.logprobs
+                top = tuple(zip(r.out.top_ids[m, :n].tolist(), r.out.top_logprobs[m, :n].tolist()))
+                entry = TokenLogprob(token, float(r.out.logprobs[m]), top)
+            if seq.output.push(token, len(seq.output_ids), entry):
+                finished.pop(seq, None)
+                self._finish(seq, "stop", cut=True)
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None, *, ended_by_eos: bool = False,
+                cut: bool = False) -> None:
+        final = seq.output.final(seq.output_ids, reason, error, ended_by_eos=ended_by_eos, cut=cut)
+        self.stats.record_finish(reason)
+        if error is None and self.scheduler.keeps_as_padding(seq):
+            seq.output.deferred = final  # static batching: answered with the rest of its batch
+            return
+        self.scheduler.retire(seq)
+        seq.output.deliver(final)
+
+    def _deliver_deferred(self, seq: Sequence) -> None:
+        self.scheduler.retire(seq)
+        seq.output.deliver(seq.output.deferred)
+
+    def _update_gauges(self) -> None:
+        """The current-state figures of `stats` (the metrics publisher reads them)."""
+        s, scheduler, blocks = self.stats, self.scheduler, self.scheduler.blocks
+        s.running, s.waiting = len(scheduler.running), len(scheduler.waiting)
+        s.kv_usage, s.preemptions = blocks.usage, scheduler.preemptions
+        s.prefix_query_tokens, s.prefix_hit_tokens = blocks.query_tokens, blocks.hit_tokens
+        s.cached_blocks = blocks.cached_blocks
+

@@ -1,0 +1,247 @@
+"""The OpenAI Batch API, with the official `openai` SDK as the client, through a real server.
+
+Every answered line is compared with what `batchstring()` returns for the same prompt (greedy
+decoding is batch-invariant), and every custom_id must appear exactly once, also after the whole
+server is SIGKILLed mid-batch and started again on the same data directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+import uuid
+from pathlib import Path
+
+import openai
+import pytest
+
+from batchstring.client import BatchClient
+from batchstring.engine.block_manager import BlockManager
+from batchstring.engine.sampling import SamplingParams
+from batchstring.engine.sequence import Sequence
+from batchstring.frontdoor.auth import ENV
+from batchstring.frontdoor.batch_store import BatchStore
+from tests.conftest import metric_reaches, start_server
+
+KEY_A, KEY_B = "sk-batch-a-0123456789", "sk-batch-b-0123456789"
+MAX_FILE_BYTES = 400_000
+HITS = "batchstring_prefix_cache_hits_total"
+ENDED = ("completed", "failed", "cancelled", "expired")
+
+
+# ----- without a server ----------------------------------------------------------------------
+
+
+def _seq(tokens: list[int], salt: bytes) -> Sequence:
+    return Sequence(request_id=uuid.uuid4().hex, prompt_ids=list(tokens), params=SamplingParams(), cache_salt=salt)
+
+
+@pytest.mark.parametrize(("first", "second", "shared"), [(b"", b"", True), (b"a", b"a", True), (b"a", b"b", False),
+                                                         (b"", b"b", False)])
+def test_cached_blocks_are_shared_only_under_the_same_salt(first, second, shared):
+    blocks = BlockManager(num_blocks=16, block_size=4, max_rows=4, max_tokens_per_seq=32)
+    tokens = list(range(100, 113))  # three full blocks and one token
+    writer = _seq(tokens, first)
+    assert blocks.admit(writer, blocks.lookup(writer), len(tokens))
+    writer.num_cached = len(tokens)
+    blocks.commit(writer)
+    reader = _seq(tokens, second)
+    assert len(blocks.lookup(reader)) == (3 if shared else 0)
+
+
+def test_a_line_recorded_twice_counts_once(tmp_path):
+    store = BatchStore(tmp_path)
+    row = store.add_batch("owner", "/v1/completions", "file-x", "24h", 86400, None)
+    store.record(row["id"], [(1, True, "{}"), (2, False, "{}")])
+    store.record(row["id"], [(1, True, '{"again": 1}'), (3, True, "{}")])
+    row = store.batch_row(row["id"])
+    assert (row["completed"], row["failed"]) == (2, 1)
+    assert list(store.results(row["id"], ok=True)) == ["{}", "{}"] and store.answered(row["id"]) == {1, 2, 3}
+
+
+# ----- through a real server -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def keyed(request, model_dir, tmp_path_factory):
+    """A server with two API keys and a small upload limit; its data directory outlives restarts."""
+    previous = os.environ.get(ENV)
+    os.environ[ENV] = f"{KEY_A},{KEY_B}"  # the front door reads its keys from its environment
+    data_dir = tmp_path_factory.mktemp("batch-data")
+    try:
+        yield start_server(request, "batches", config="cpu", data_dir=data_dir,
+                           front_door_options=("--batch-max-file-bytes", str(MAX_FILE_BYTES)))
+    finally:
+        if previous is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = previous
+
+
+def _sdk(server, key: str = KEY_A) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://{server.http_url}/v1", api_key=key, max_retries=0)
+
+
+def _lines(prompts: list[str], max_tokens: int, tag: str = "", **body) -> bytes:
+    lines = [{"custom_id": f"{tag}{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": "llm", "prompt": p, "max_tokens": max_tokens, "temperature": 0, **body}}
+             for i, p in enumerate(prompts)]
+    return "".join(json.dumps(line) + "\n" for line in lines).encode()
+
+
+def _submit(sdk: openai.OpenAI, content: bytes, **options):
+    uploaded = sdk.files.create(file=("input.jsonl", content), purpose="batch")
+    return sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h",
+                              **options)
+
+
+def _wait(sdk: openai.OpenAI, batch_id: str, until=lambda b: b.status in ENDED, timeout: float = 240.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        batch = sdk.batches.retrieve(batch_id)
+        if until(batch):
+            return batch
+        assert time.monotonic() < deadline, f"batch still {batch.status}: {batch.request_counts}"
+        time.sleep(0.2)
+
+
+def _output(sdk: openai.OpenAI, file_id: str | None) -> list[dict]:
+    return [json.loads(line) for line in sdk.files.content(file_id).text.splitlines()] if file_id else []
+
+
+def _prompts(count: int) -> list[str]:
+    return [f"def handler_{i}(event, context):\n    " for i in range(count)]
+
+
+def test_a_batch_runs_to_completed_and_each_line_equals_batchstring(keyed):
+    sdk = _sdk(keyed)
+    prompts = _prompts(24)
+    batch = _submit(sdk, _lines(prompts, 12), metadata={"job": "nightly"})
+    assert batch.status == "validating" and batch.metadata == {"job": "nightly"}
+    done = _wait(sdk, batch.id)
+    assert done.status == "completed" and done.error_file_id is None
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (24, 24, 0)
+    assert done.created_at <= done.in_progress_at <= done.finalizing_at <= done.completed_at
+    lines = _output(sdk, done.output_file_id)
+    assert sorted(line["custom_id"] for line in lines) == sorted(str(i) for i in range(24))
+    with BatchClient(keyed.grpc_url, api_key=KEY_A) as client:
+        expected = client.batchstring(prompts, max_tokens=12)
+    for line in lines:
+        body = line["response"]["body"]
+        assert line["response"]["status_code"] == 200 and line["error"] is None
+        assert body["choices"][0]["text"] == expected[int(line["custom_id"])]
+        assert body["usage"]["completion_tokens"] == 12
+    assert sdk.files.retrieve(done.output_file_id).purpose == "batch_output"
+
+
+def test_the_same_prompt_hits_the_prefix_cache_under_one_key_only(keyed):
+    """Block keys are salted per API key: key B's identical prompt finds none of key A's blocks."""
+    prompt = f"# {uuid.uuid4().hex}\n" + "def total(values):\n    result = 0\n    for v in values:\n" * 4
+    a, b = _sdk(keyed, KEY_A), _sdk(keyed, KEY_B)
+    before = metric_reaches(keyed.metrics_url, HITS, 0)
+    a.completions.create(model="llm", prompt=prompt, max_tokens=2, temperature=0)
+    time.sleep(1.5)  # the engine publishes its counters twice a second
+    after_a = metric_reaches(keyed.metrics_url, HITS, before)
+    b.completions.create(model="llm", prompt=prompt, max_tokens=2, temperature=0)
+    time.sleep(1.5)
+    assert metric_reaches(keyed.metrics_url, HITS, after_a) == after_a  # no hit for the other key
+    a.completions.create(model="llm", prompt=prompt, max_tokens=2, temperature=0)
+    assert metric_reaches(keyed.metrics_url, HITS, after_a + 16) >= after_a + 16  # its own blocks are found
+    salted = metric_reaches(keyed.metrics_url, HITS, 0)
+    a.completions.create(model="llm", prompt=prompt, max_tokens=2, temperature=0, extra_body={"cache_salt": "x"})
+    time.sleep(1.5)
+    assert metric_reaches(keyed.metrics_url, HITS, salted) == salted  # a request's own salt keeps it apart
+
+
+def test_another_key_can_neither_see_nor_touch_a_keys_files_and_batches(keyed):
+    a, b = _sdk(keyed, KEY_A), _sdk(keyed, KEY_B)
+    batch = _submit(a, _lines(_prompts(2), 4))
+    done = _wait(a, batch.id)
+    for call in (lambda: b.files.retrieve(batch.input_file_id), lambda: b.files.content(done.output_file_id),
+                 lambda: b.files.delete(batch.input_file_id), lambda: b.batches.retrieve(batch.id),
+                 lambda: b.batches.cancel(batch.id),
+                 lambda: b.batches.create(input_file_id=batch.input_file_id, endpoint="/v1/completions",
+                                          completion_window="24h")):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    theirs = {f.id for f in a.files.list()}
+    assert batch.input_file_id in theirs and not theirs & {f.id for f in b.files.list()}
+    assert batch.id not in {x.id for x in b.batches.list()}
+    with pytest.raises(openai.NotFoundError, match="No such File"):  # the same answer as for no file at all
+        b.files.retrieve("file-does-not-exist")
+
+
+def test_batches_list_newest_first_in_pages(keyed):
+    sdk = _sdk(keyed, KEY_B)
+    made = [_submit(sdk, _lines(["x = "], 2, tag=f"p{i}-")).id for i in range(3)]
+    for batch_id in made:
+        _wait(sdk, batch_id)
+    first = sdk.batches.list(limit=2)
+    assert [x.id for x in first.data] == made[::-1][:2] and first.has_more
+    assert [x.id for x in sdk.batches.list(limit=2)][:3] == made[::-1]  # the SDK follows the pages
+
+
+def test_malformed_lines_fail_the_batch_at_validating_with_their_numbers(keyed):
+    sdk = _sdk(keyed)
+    good = json.loads(_lines(["a = "], 2).decode())
+    content = "\n".join([json.dumps(good), "{not json", json.dumps({**good, "custom_id": ""}),
+                         json.dumps({**good, "url": "/v1/embeddings"}), json.dumps(good),
+                         json.dumps({**good, "custom_id": "n", "body": {**good["body"], "n": 3}})]).encode()
+    batch = _wait(sdk, _submit(sdk, content).id)
+    assert batch.status == "failed" and batch.in_progress_at is None and batch.output_file_id is None
+    assert [e.line for e in batch.errors.data] == [2, 3, 4, 5, 6]
+    errors = [line["error"] for line in _output(sdk, batch.error_file_id)]
+    assert [e["line"] for e in errors] == [2, 3, 4, 5, 6]
+    assert "not valid JSON" in errors[0]["message"] and "repeats line 1" in errors[3]["message"]
+    assert "n is not supported" in errors[4]["message"]
+
+
+def test_an_oversized_upload_is_refused_before_it_is_stored(keyed):
+    sdk = _sdk(keyed)
+    files_dir = Path(keyed.data_dir) / "files"
+    stored = set(os.listdir(files_dir))
+    with pytest.raises(openai.APIStatusError, match=f"at most {MAX_FILE_BYTES} bytes") as refused:
+        sdk.files.create(file=("big.jsonl", _lines(["y" * 1000], 2) * 500), purpose="batch")
+    assert refused.value.status_code == 413
+    assert set(os.listdir(files_dir)) == stored
+    with pytest.raises(openai.BadRequestError, match="purpose must be 'batch'"):
+        sdk.files.create(file=("x.jsonl", _lines(["x"], 2)), purpose="fine-tune")
+
+
+def test_cancel_mid_way_keeps_the_answered_lines(keyed):
+    sdk = _sdk(keyed)
+    batch = _submit(sdk, _lines(_prompts(400), 48, ignore_eos=True))
+    _wait(sdk, batch.id, until=lambda b: b.request_counts.completed >= 10)
+    cancelling = sdk.batches.cancel(batch.id)
+    assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at is not None
+    done = _wait(sdk, batch.id)
+    assert done.status == "cancelled" and done.cancelled_at is not None
+    counts = done.request_counts
+    assert 10 <= counts.completed < counts.total == 400
+    lines = _output(sdk, done.output_file_id)
+    assert len(lines) == counts.completed == len({line["custom_id"] for line in lines})
+    with pytest.raises(openai.BadRequestError, match="only a validating or in_progress batch"):
+        sdk.batches.cancel(_wait(sdk, _submit(sdk, _lines(["z = "], 2)).id).id)
+
+
+def test_sigkill_mid_batch_then_restart_completes_each_line_exactly_once(keyed):
+    """Runs last in this module: it kills and restarts the module's server."""
+    sdk = _sdk(keyed)
+    prompts = _prompts(300)
+    batch = _submit(sdk, _lines(prompts, 32, ignore_eos=True))
+    _wait(sdk, batch.id, until=lambda b: b.request_counts.completed >= 20)
+    keyed.stop(grace=0)  # SIGKILL to tritonserver's and the front door's process groups
+    with sqlite3.connect(Path(keyed.data_dir) / "batchstring.db") as db:
+        answered = db.execute("SELECT completed FROM batches WHERE id = ?", (batch.id,)).fetchone()[0]
+    assert 20 <= answered < 300  # killed mid-way
+    keyed.start()
+    done = _wait(_sdk(keyed), batch.id)
+    assert done.status == "completed"
+    assert (done.request_counts.completed, done.request_counts.failed) == (300, 0)
+    lines = _output(_sdk(keyed), done.output_file_id)
+    assert sorted(int(line["custom_id"]) for line in lines) == list(range(300))
+    with BatchClient(keyed.grpc_url, api_key=KEY_A) as client:
+        expected = client.batchstring(prompts, max_tokens=32, ignore_eos=True)
+    assert all(line["response"]["body"]["choices"][0]["text"] == expected[int(line["custom_id"])] for line in lines)

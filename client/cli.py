@@ -23,6 +23,8 @@ ENTRY_POINTS = "batchstring.commands"
 COMMANDS = {
     "run": ("batchstring.client.cli", "add_arguments", "run",
             "complete prompts on a running server and print the results"),
+    "batches": ("batchstring.client.batches", "add_arguments", "run", "the server's Batch API: submit, status, wait, "
+                "download, cancel, list"),
 }
 
 

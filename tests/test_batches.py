@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -18,12 +19,13 @@ import openai
 import pytest
 
 from batchstring.client import BatchClient
+from batchstring.client.defaults import API_KEY_ENV
 from batchstring.engine.block_manager import BlockManager
 from batchstring.engine.sampling import SamplingParams
 from batchstring.engine.sequence import Sequence
 from batchstring.frontdoor.auth import ENV
 from batchstring.frontdoor.batch_store import BatchStore
-from tests.conftest import metric_reaches, start_server
+from tests.conftest import BATCHSTRING, metric_reaches, start_server
 
 KEY_A, KEY_B = "sk-batch-a-0123456789", "sk-batch-b-0123456789"
 MAX_FILE_BYTES = 400_000
@@ -224,6 +226,32 @@ def test_cancel_mid_way_keeps_the_answered_lines(keyed):
     assert len(lines) == counts.completed == len({line["custom_id"] for line in lines})
     with pytest.raises(openai.BadRequestError, match="only a validating or in_progress batch"):
         sdk.batches.cancel(_wait(sdk, _submit(sdk, _lines(["z = "], 2)).id).id)
+
+
+def test_the_cli_submits_waits_downloads_and_lists(keyed, tmp_path):
+    source = tmp_path / "input.jsonl"
+    source.write_bytes(_lines(_prompts(6), 8))
+    env = {**os.environ, API_KEY_ENV: KEY_B}
+    cli = [*BATCHSTRING, "batches", "--url", f"http://{keyed.http_url}"]
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*cli, *args], env=env, capture_output=True, text=True, timeout=120)
+
+    submitted = run("submit", str(source), "--wait", "--metadata", "team=search")
+    assert submitted.returncode == 0, submitted.stderr
+    batch_id = submitted.stdout.splitlines()[0]
+    assert "completed 6/6 done, 0 failed" in submitted.stdout
+    output = tmp_path / "output.jsonl"
+    assert run("download", batch_id, "--output", str(output)).returncode == 0
+    assert sorted(json.loads(line)["custom_id"] for line in output.read_text().splitlines()) == list("012345")
+    assert not output.with_name("output.jsonl.errors.jsonl").exists()
+    assert run("list").stdout.splitlines()[0].startswith(f"{batch_id} completed")
+    assert f"{batch_id} completed" in run("status", batch_id).stdout
+    refused = run("cancel", batch_id)
+    assert refused.returncode == 1 and "only a validating or in_progress batch" in refused.stderr
+    unknown = subprocess.run([*cli, "status", batch_id], env={**env, API_KEY_ENV: KEY_A}, capture_output=True,
+                             text=True, timeout=60)
+    assert unknown.returncode == 1 and "404: No batch found" in unknown.stderr
 
 
 def test_sigkill_mid_batch_then_restart_completes_each_line_exactly_once(keyed):

@@ -36,19 +36,30 @@ class RuntimeSpec:
     inputs: tuple[str, ...]
     dtype: str = "float32"
     sampling_defaults: dict = field(default_factory=dict)  # the checkpoint's generation_config defaults
+    # the shape beyond the cache, for the activation estimate (engine/memory.py)
+    num_heads: int = 0
+    hidden_size: int = 0
+    intermediate_size: int = 0
 
     @classmethod
     def load(cls, path: Path) -> RuntimeSpec:
         raw = json.loads(path.read_text())
         if "next_tokens" not in raw.get("outputs", []):
             raise RuntimeError(f"{path.parent} holds a step exported by an older batchstring; run `batchstring export`")
+        # Exports before hidden_size was recorded: query heads x head dim, and a 4x MLP (an upper bound).
+        hidden = raw.get("hidden_size", raw["num_heads"] * raw["head_dim"])
         return cls(raw["num_layers"], raw["num_kv_heads"], raw["head_dim"], raw["vocab_size"], raw["context_length"],
                    tuple(raw["eos_token_ids"]), tuple(raw["inputs"]), raw.get("dtype", "float32"),
-                   raw.get("sampling_defaults", {}))
+                   raw.get("sampling_defaults", {}), raw["num_heads"], hidden,
+                   raw.get("intermediate_size", 4 * hidden))
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]  # K and V
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes  # K and V
 
     def cache_shape(self, num_slots: int) -> tuple[int, int, int, int]:
         return (self.num_layers, self.num_kv_heads, num_slots, self.head_dim)
@@ -80,27 +91,85 @@ class PagedCacheRunner:
         self.values[:, :, slots] = new_values
 
 
-def _ort_session(model_dir: Path, device: str, threads: int):
+def _ort_session(model_dir: Path, device: str, threads: int, arena_bytes: int = 0):
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     if threads > 0:
         options.intra_op_num_threads = threads
-    return ort.InferenceSession(str(model_dir / "model.onnx"), options, providers=_ort_providers(device))
+    providers = ort_providers(device, ort.get_available_providers(), arena_bytes)
+    session = ort.InferenceSession(str(model_dir / "model.onnx"), options, providers=providers)
+    check_providers(session, device)
+    return session
 
 
-def _ort_providers(device: str) -> list:
-    import onnxruntime as ort
-
+def ort_providers(device: str, available: list[str], arena_bytes: int = 0) -> list:
+    """The provider list for `device`: the CUDA provider on the instance's own GPU, its arena
+    bounded by `arena_bytes` (engine/memory.py's plan; 0 = onnxruntime's default) and grown by what
+    is asked rather than in doubling chunks."""
     if device == "cpu":
         return ["CPUExecutionProvider"]
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
+    if "CUDAExecutionProvider" not in available:
         raise RuntimeError(
-            f"Triton placed this instance on {device} but onnxruntime has no CUDA provider; "
-            "install onnxruntime-gpu (not onnxruntime) in the server image"
+            f"Triton placed this instance on {device} but onnxruntime has no CUDA provider (it offers "
+            f"{', '.join(available)}); install onnxruntime-gpu instead of onnxruntime (`pip uninstall onnxruntime` "
+            "first: both install the same `onnxruntime` package), or use runtime torchscript"
         )
-    return [("CUDAExecutionProvider", {"device_id": int(device.split(":")[1])}), "CPUExecutionProvider"]
+    options = {"device_id": int(device.split(":")[1]), "arena_extend_strategy": "kSameAsRequested"}
+    if arena_bytes:
+        options["gpu_mem_limit"] = arena_bytes
+    return [("CUDAExecutionProvider", options), "CPUExecutionProvider"]
+
+
+def check_providers(session, device: str) -> None:
+    """ONNX Runtime drops a provider whose libraries fail to load and runs on the CPU instead,
+    with a log line nobody reads: a session on a GPU instance without the CUDA provider is an error."""
+    if device == "cpu" or "CUDAExecutionProvider" in session.get_providers():
+        return
+    raise RuntimeError(
+        f"onnxruntime created the session for {device} without its CUDA provider (active: "
+        f"{', '.join(session.get_providers())}): {cuda_provider_load_error()}. It would run on the CPU; "
+        "install the CUDA and cuDNN libraries this onnxruntime-gpu was built for (importing torch first "
+        "makes a CUDA build of torch provide them), or use runtime torchscript"
+    )
+
+
+def cuda_provider_load_error() -> str:
+    """Why onnxruntime's CUDA provider library does not load: the dynamic loader names the library
+    it could not find (e.g. libcublasLt.so.12), which onnxruntime's own fallback hides."""
+    import ctypes
+
+    import onnxruntime as ort
+
+    library = Path(ort.__file__).parent / "capi" / "libonnxruntime_providers_cuda.so"
+    if not library.exists():
+        return f"onnxruntime {ort.__version__} has no CUDA provider library (the CPU-only package)"
+    try:
+        ctypes.CDLL(str(library))
+    except OSError as exc:
+        return f"loading {library.name} fails: {exc}"
+    return f"{library.name} loads, so the provider failed to start on the device (see onnxruntime's log)"
+
+
+# ONNX element types (onnx.TensorProto): onnxruntime's I/O binding takes these integers from 1.20 on,
+# the only way to name bfloat16, which numpy has no type for.
+ORT_ELEMENT_TYPES = {"float32": 1, "float16": 10, "bfloat16": 16}
+ORT_INTEGER_ELEMENTS = (1, 20)
+
+
+def ort_element_type(dtype: str, ort_version: str):
+    """The element type to bind a `dtype` device buffer with, or a refusal that says what to use."""
+    major, minor = (int(part) for part in ort_version.split(".")[:2])
+    if (major, minor) >= ORT_INTEGER_ELEMENTS:
+        return ORT_ELEMENT_TYPES[dtype]
+    if dtype == "bfloat16":
+        raise RuntimeError(
+            f"onnxruntime {ort_version} cannot bind bfloat16 buffers (numpy has no bfloat16; integer element "
+            "types arrived in onnxruntime 1.20): install onnxruntime-gpu >= 1.20, serve this export with "
+            "runtime torchscript, or export it with --dtype float16"
+        )
+    return np.dtype(dtype).type
 
 
 def _numpy_dtype(spec: RuntimeSpec):
@@ -113,7 +182,8 @@ def _numpy_dtype(spec: RuntimeSpec):
 class OnnxRunner(PagedCacheRunner):
     """ONNX Runtime on the CPU; the cache is host memory (numpy), handed over without a copy."""
 
-    def __init__(self, model_dir: Path, spec: RuntimeSpec, num_slots: int, device: str, threads: int) -> None:
+    def __init__(self, model_dir: Path, spec: RuntimeSpec, num_slots: int, device: str, threads: int,
+                 arena_bytes: int = 0) -> None:
         self.session = _ort_session(model_dir, device, threads)
         self.spec = spec
         # full(), not zeros(): touch every page now, so resident memory is flat from the start
@@ -131,13 +201,17 @@ class OnnxCudaRunner(PagedCacheRunner):
     onnxruntime cannot write into an input in place, so the cache is a pair of torch CUDA tensors:
     bound to the session by pointer (I/O binding; no cache byte crosses PCIe), and updated with
     torch's indexed assignment after each step. The logits output is bound to device memory too;
-    only token ids and log-probabilities are copied to the host.
+    only token ids and log-probabilities are copied to the host. Every device buffer is bound with
+    its real element type (bfloat16 included; `ort_element_type`).
     """
 
-    def __init__(self, model_dir: Path, spec: RuntimeSpec, num_slots: int, device: str, threads: int) -> None:
-        import torch
+    def __init__(self, model_dir: Path, spec: RuntimeSpec, num_slots: int, device: str, threads: int,
+                 arena_bytes: int = 0) -> None:
+        import onnxruntime as ort
+        import torch  # before the session: a CUDA build of torch loads the CUDA libraries the provider needs
 
-        self.session = _ort_session(model_dir, device, threads)
+        self.elements = {dtype: ort_element_type(dtype, ort.__version__) for dtype in ("float32", spec.dtype)}
+        self.session = _ort_session(model_dir, device, threads, arena_bytes)
         self.torch = torch
         self.device = torch.device(device)
         self.spec = spec
@@ -147,7 +221,7 @@ class OnnxCudaRunner(PagedCacheRunner):
 
     def _bind(self, binding, name: str, tensor, output: bool = False) -> None:
         bind = binding.bind_output if output else binding.bind_input
-        element = np.float32 if tensor.dtype == self.torch.float32 else np.float16
+        element = self.elements[str(tensor.dtype).removeprefix("torch.")]
         bind(name, "cuda", self.device.index or 0, element, list(tensor.shape), tensor.data_ptr())
 
     def _run(self, feeds: dict[str, np.ndarray]) -> tuple:
@@ -181,7 +255,8 @@ class OnnxCudaRunner(PagedCacheRunner):
 class TorchScriptRunner(PagedCacheRunner):
     """The TorchScript step on the instance's device; the cache stays on that device."""
 
-    def __init__(self, model_dir: Path, spec: RuntimeSpec, num_slots: int, device: str, threads: int) -> None:
+    def __init__(self, model_dir: Path, spec: RuntimeSpec, num_slots: int, device: str, threads: int,
+                 arena_bytes: int = 0) -> None:
         import torch
 
         if threads > 0:
@@ -214,6 +289,8 @@ class TorchScriptRunner(PagedCacheRunner):
 
 
 def build_runner(runtime: str, model_dir: Path, spec: RuntimeSpec, num_slots: int, device: str,
-                 threads: int) -> PagedCacheRunner:
+                 threads: int, arena_bytes: int = 0) -> PagedCacheRunner:
+    """`arena_bytes`: ONNX Runtime's CUDA arena limit (engine/memory.py's `CachePlan.arena_bytes`);
+    the other runtimes hold no arena of their own and ignore it."""
     kind = TorchScriptRunner if runtime == "torchscript" else OnnxRunner if device == "cpu" else OnnxCudaRunner
-    return kind(model_dir, spec, num_slots, device, threads)
+    return kind(model_dir, spec, num_slots, device, threads, arena_bytes)

@@ -7,8 +7,10 @@ import io
 import json
 import logging
 import warnings
+import zipfile
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.export import Dim
 
@@ -97,6 +99,36 @@ def write_torchscript(step: DecoderStep, path: Path) -> None:
         torch.jit.save(traced, str(path))
 
 
+def device_constants(model_pt: Path) -> list[str]:
+    """Lines of the saved TorchScript code that name a device: each would pin a tensor there
+    whatever device the module is loaded on (`map_location` moves only weights and buffers)."""
+    with zipfile.ZipFile(model_pt) as archive:
+        return [line.strip() for name in archive.namelist() if name.endswith(".py")
+                for line in archive.read(name).decode().splitlines() if "torch.device(" in line]
+
+
+def run_on_meta(model_pt: Path, spec: dict) -> tuple[torch.Tensor, ...]:
+    """Runs the saved step with every weight, input and both caches on the `meta` device (shapes
+    only, no data, no GPU): any tensor the graph creates on a fixed device meets meta tensors and
+    fails, as it would on `cuda:3`. `torch.jit.load(map_location="meta")` itself cannot load a
+    module (aten::equal has no meta kernel), so the graph is lowered to a function whose weights
+    are arguments."""
+    from batchstring.export.verify import Row, Sampling, pack
+
+    module = torch.jit.load(str(model_pt))
+    graph, weights = torch._C._jit_pass_lower_graph(module.graph, module._c)
+    function = torch._C._create_function_from_graph("step_on_meta", graph)
+    cache = np.zeros((spec["num_layers"], spec["num_kv_heads"], 40, spec["head_dim"]), np.float32)
+    rows = [Row([3], list(range(10))), Row([5], list(range(10, 17)), Sampling(temperature=0.8, top_p=0.9)),
+            Row([7, 8, 9, 10], list(range(20, 25)), Sampling(temperature=1.0, top_k=5, ban_eos=True))]
+    feeds = pack(rows, cache, cache)
+    dtype = getattr(torch, spec["dtype"])
+    inputs = [torch.from_numpy(feeds[n]).to("meta", dtype if n in ("key_cache", "value_cache") else None)
+              for n in INPUT_NAMES]
+    with torch.no_grad():
+        return function(*inputs, *(w.to("meta") for w in weights))
+
+
 def runtime_spec(step: DecoderStep, hf_config, tokenizer_eos: list[int], source: str,
                  sampling_defaults: dict | None = None) -> dict:
     """What the engine needs to size its cache and stop generation, without loading torch."""
@@ -107,6 +139,8 @@ def runtime_spec(step: DecoderStep, hf_config, tokenizer_eos: list[int], source:
         "num_heads": step.num_heads,
         "num_kv_heads": step.num_kv_heads,
         "head_dim": step.head_dim,
+        "hidden_size": int(hf_config.hidden_size),  # with intermediate_size: the activation estimate
+        "intermediate_size": int(hf_config.intermediate_size),
         "vocab_size": step.vocab_size,  # ids the step can produce: the tokenizer's (padding cut off)
         "checkpoint_vocab_size": int(step.lm_head.out_features),
         "context_length": int(hf_config.max_position_embeddings),

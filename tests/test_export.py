@@ -153,17 +153,3 @@ def test_a_bfloat16_export_records_its_dtype_the_checkpoints_eos_ids_and_samplin
     seq = engine.make_sequence("def f(x):", SamplingParams(max_tokens=12, temperature=0), lambda o: None)
     engine.generate([seq])
     assert 0 < len(seq.output_ids) <= 12 and not set(seq.output_ids[:-1]) & {0, 5, 7}, "any EOS id ends it"
-
-
-def test_kv_cache_auto_takes_whole_blocks_of_the_free_memory_and_refuses_less_than_one_context():
-    from batchstring.engine.config import AUTO, EngineConfig
-    from batchstring.engine.memory import auto_cache_tokens
-
-    assert EngineConfig.from_parameters({"kv_cache_tokens": "auto"}, model_dir=".").kv_cache_tokens == AUTO
-    gib = 2**30
-    tokens = auto_cache_tokens(10 * gib, 0.5, 1 * gib, 4096, 16, 512, "test memory")
-    assert tokens == (4 * gib // 4096) // 16 * 16
-    with pytest.raises(ValueError, match=r"less than one full context \(8192 tokens\).*kv_cache_memory_fraction"):
-        auto_cache_tokens(2 * gib, 0.9, 1 * gib, 131072, 16, 8192, "cuda:0 free memory")
-    with pytest.raises(ValueError, match="kv_cache_memory_fraction"):
-        EngineConfig(model_dir=".", kv_cache_memory_fraction=1.5)

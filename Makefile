@@ -14,7 +14,7 @@ install: $(INSTALLED)
 $(INSTALLED): pyproject.toml client/pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ./client -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -e ./client -e '.[dev,cpu]'
 	@touch $@
 
 # Exported files are build products: re-export when the checkpoint or the exporter changes.

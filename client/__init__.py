@@ -11,7 +11,17 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from batchstring.client.aio import AsyncBatchClient
-    from batchstring.client.errors import BatchError, DeadlineExceeded, ItemError, StreamBroken
+    from batchstring.client.errors import (
+        BatchError,
+        BatchstringError,
+        DeadlineExceeded,
+        Internal,
+        InvalidArgument,
+        StreamBroken,
+        TooLarge,
+        Unauthenticated,
+        Unavailable,
+    )
     from batchstring.client.protocol import Completion
     from batchstring.client.retry import RetryPolicy
     from batchstring.client.sync import BatchClient, batchstring
@@ -22,13 +32,19 @@ _EXPORTS = {
     "BatchError": "errors",
     "Completion": "protocol",
     "DeadlineExceeded": "errors",
-    "ItemError": "errors",
+    "BatchstringError": "errors",
+    "Internal": "errors",
+    "InvalidArgument": "errors",
+    "TooLarge": "errors",
+    "Unauthenticated": "errors",
+    "Unavailable": "errors",
     "RetryPolicy": "retry",
     "StreamBroken": "errors",
     "batchstring": "sync",
 }
-__all__ = ["AsyncBatchClient", "BatchClient", "BatchError", "Completion", "DeadlineExceeded", "ItemError",
-           "RetryPolicy", "StreamBroken", "batchstring"]
+__all__ = ["AsyncBatchClient", "BatchClient", "BatchError", "BatchstringError", "Completion", "DeadlineExceeded",
+           "Internal", "InvalidArgument", "RetryPolicy", "StreamBroken", "TooLarge", "Unauthenticated", "Unavailable",
+           "batchstring"]
 
 
 def __getattr__(name: str) -> object:

@@ -14,8 +14,15 @@ from pathlib import Path
 import grpc
 
 from batchstring.client.connection import CallStreams, Connection
-from batchstring.client.defaults import API_KEY_ENV, DEFAULT_MAX_TOKENS, DEFAULT_URL, MAX_MESSAGE_BYTES
-from batchstring.client.errors import INVALID_ARGUMENT, BatchError, DeadlineExceeded, ItemError, StreamBroken
+from batchstring.client.defaults import API_KEY_ENV, DEFAULT_MAX_TOKENS, DEFAULT_URL, MAX_INPUT_BYTES, MAX_MESSAGE_BYTES
+from batchstring.client.errors import (
+    BatchError,
+    BatchstringError,
+    DeadlineExceeded,
+    InvalidArgument,
+    StreamBroken,
+    TooLarge,
+)
 from batchstring.client.protocol import Completion, GenerationOptions, Piece, build_request, encode_text
 from batchstring.client.retry import RetryPolicy
 
@@ -27,7 +34,7 @@ def _urls(url: str | Sequence[str]) -> list[str]:
     urls = [url] if isinstance(url, str) else list(url)
     urls = [u.strip() for part in urls for u in part.split(",") if u.strip()]
     if not urls:
-        raise ValueError("at least one server URL (host:port) is required")
+        raise InvalidArgument("at least one server URL (host:port) is required")
     return urls
 
 
@@ -139,8 +146,8 @@ class AsyncBatchClient:
         prefixes apart from those of requests with another salt.
         """
         if isinstance(inputs, str):
-            raise TypeError("batchstring takes a list of strings, not a single string")
-        encoded = [encode_text(text) for text in inputs]  # TypeError/ValueError before anything is sent
+            raise InvalidArgument("batchstring takes a list of strings, not a single string")
+        encoded = [encode_text(text) for text in inputs]  # InvalidArgument before anything is sent
         if not encoded:
             return []
         options = GenerationOptions(max_tokens, temperature, top_p, top_k, seed,
@@ -218,7 +225,7 @@ class AsyncBatchClient:
                     return
                 except TimeoutError:
                     raise DeadlineExceeded(f"the stream did not end before its deadline ({attempt} attempts)") from None
-                except ItemError as exc:
+                except BatchstringError as exc:
                     if started or not exc.retryable or attempt >= self.retry.max_attempts:
                         raise
                     delay = self._next_delay(conn, exc, attempt, deadline)
@@ -250,7 +257,7 @@ class AsyncBatchClient:
                 return Completion.join(pieces)
             except TimeoutError:
                 raise DeadlineExceeded(f"no result before the deadline (attempt {attempt} timed out)") from None
-            except ItemError as exc:
+            except BatchstringError as exc:
                 if not exc.retryable or attempt >= self.retry.max_attempts:
                     raise
                 delay = self._next_delay(conn, exc, attempt, deadline)
@@ -266,11 +273,11 @@ class AsyncBatchClient:
                                 timeout_us=max(1, int(remaining * 1e6)), priority=priority, cache_salt=cache_salt)
         size = request.ByteSize()
         if size > self.max_message_bytes:
-            raise ItemError(f"{INVALID_ARGUMENT}: the request is {size} bytes; the server accepts at most "
-                            f"{self.max_message_bytes} bytes per request (text_input is at most 16 KiB)")
+            raise TooLarge(f"the request is {size} bytes; the server accepts at most {self.max_message_bytes} bytes "
+                           f"per request (text_input is at most {MAX_INPUT_BYTES} bytes)")
         return request
 
-    def _next_delay(self, conn: Connection, exc: ItemError, attempt: int, deadline: float) -> float:
+    def _next_delay(self, conn: Connection, exc: BatchstringError, attempt: int, deadline: float) -> float:
         if isinstance(exc, StreamBroken):
             conn.mark_down(self.retry.initial_backoff)
         delay = self.retry.backoff(attempt)
@@ -316,5 +323,5 @@ class AsyncBatchClient:
 
 
 def _raise_for(piece: Piece) -> None:
-    if piece.error:
-        raise ItemError(piece.error)
+    if piece.error is not None:
+        raise piece.error

@@ -18,7 +18,7 @@ import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from batchstring.client.defaults import MODEL
-from batchstring.client.errors import UNAUTHENTICATED, StreamBroken
+from batchstring.client.errors import BatchstringError, StreamBroken, from_status
 from batchstring.client.protocol import Piece, parse_response
 
 CHANNEL_OPTIONS = [
@@ -44,24 +44,21 @@ class _Stream:
             yield request
 
     async def _read(self) -> None:
-        reason = "stream closed by the server"
+        error: BatchstringError = StreamBroken("stream broken (closed by the server)")
         try:
             async for message in self.call:
                 piece = parse_response(message)
                 sink = self._sinks.get(piece.request_id)
                 if sink is not None:  # else: a late answer to an item that gave up; drop it
                     sink.put_nowait(piece)
-        except grpc.aio.AioRpcError as exc:
-            reason = f"{exc.code().name}: {exc.details()}"
-            if exc.code() == grpc.StatusCode.UNAUTHENTICATED:  # an error of each item; sending again cannot help
-                reason = f"{UNAUTHENTICATED}: {exc.details()}"
+        except grpc.aio.AioRpcError as exc:  # what the status means for every item in flight on it
+            error = from_status(exc.code(), exc.details() or "")
         except asyncio.CancelledError:
-            reason = "stream cancelled"
+            error = StreamBroken("stream broken (cancelled)")
         finally:
             self.closed = True
             self._outbox.put_nowait(_DONE)  # ends the request iterator too
             for request_id, sink in self._sinks.items():
-                error = reason if reason.startswith(UNAUTHENTICATED) else f"stream broken ({reason})"
                 sink.put_nowait(Piece(request_id, final=True, error=error))
 
     async def request(self, request: service_pb2.ModelInferRequest) -> AsyncIterator[Piece]:
@@ -74,8 +71,8 @@ class _Stream:
             self._outbox.put_nowait(request)
             while True:
                 piece = await sink.get()
-                if piece.error and piece.error.startswith("stream broken"):
-                    raise StreamBroken(piece.error)
+                if isinstance(piece.error, StreamBroken):
+                    raise piece.error
                 yield piece
                 if piece.final:
                     return

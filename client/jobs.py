@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from batchstring.client import openai_format as fmt
 from batchstring.client.aio import AsyncBatchClient
+from batchstring.client.errors import BatchstringError
 from batchstring.client.protocol import Completion
 
 URL = "/v1/completions"
@@ -250,7 +251,7 @@ async def run_job(client: AsyncBatchClient, source: Path, output: Path, defaults
                 results = await client.complete([item.prompt], **item.options, timeout=timeout,
                                                 return_exceptions=True)
                 result = results[0]
-            except (TypeError, ValueError) as exc:  # refused before sending (bad text or options)
+            except BatchstringError as exc:  # refused before sending (bad text or options)
                 result = exc
             finally:
                 slots.release()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from batchstring.client.errors import INVALID_ARGUMENT, DeadlineExceeded, ItemError
+from batchstring.client.errors import BatchstringError, DeadlineExceeded, InvalidArgument, TooLarge
 from batchstring.client.protocol import Completion
 
 MAX_LOGPROBS = 20  # as the engine
@@ -73,13 +73,13 @@ def failure(exc: BaseException) -> tuple[int, str, str]:
     """(HTTP status, code, message) for a failed item: 400 for what the request got wrong, 503 for
     what is worth retrying later, 504 for a deadline, 500 for the rest."""
     if isinstance(exc, DeadlineExceeded):
-        return 504, "timeout", str(exc)
-    if isinstance(exc, ItemError) and exc.kind == INVALID_ARGUMENT:
-        return 400, "invalid_value", str(exc).removeprefix(f"{INVALID_ARGUMENT}: ")
-    if isinstance(exc, ItemError) and exc.retryable:
+        return 504, "timeout", exc.message
+    if isinstance(exc, TooLarge):
+        return 413, "too_large", exc.message
+    if isinstance(exc, InvalidArgument):
+        return 400, "invalid_value", exc.message
+    if isinstance(exc, BatchstringError) and exc.retryable:
         return 503, "unavailable", f"{exc}; retry with backoff"
-    if isinstance(exc, (TypeError, ValueError)):  # text the client refuses to send (lone surrogates)
-        return 400, "invalid_value", str(exc)
     return 500, "internal_error", str(exc)
 
 

@@ -15,6 +15,7 @@ from tritonclient.grpc import service_pb2
 from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
 from batchstring.client.defaults import MODEL
+from batchstring.client.errors import BatchstringError, InvalidArgument, from_server
 
 DEADLINE_PARAMETER = "deadline_us"  # request parameter: microseconds left for this request
 CACHE_SALT_PARAMETER = "cache_salt"  # request parameter: only requests with the same salt share cached prefixes
@@ -50,7 +51,7 @@ class Piece:
     finish_reason: str = ""
     num_input_tokens: int = 0
     num_output_tokens: int = 0
-    error: str | None = None
+    error: BatchstringError | None = None  # the item failed (a final piece)
     logprobs: list[dict] | None = None  # per token generated in this piece, when requested
 
 
@@ -85,12 +86,12 @@ def _bool_input(request: service_pb2.ModelInferRequest, name: str, value: bool) 
 
 def encode_text(text: str) -> bytes:
     if not isinstance(text, str):
-        raise TypeError(f"batchstring inputs must be str; got {type(text).__name__}")
+        raise InvalidArgument(f"batchstring inputs must be str; got {type(text).__name__}")
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise ValueError(f"input is not encodable as UTF-8 ({exc.reason} at index {exc.start}); "
-                         "remove lone surrogates or encode with errors='replace'") from None
+        raise InvalidArgument(f"input is not encodable as UTF-8 ({exc.reason} at index {exc.start}); "
+                              "remove lone surrogates or encode with errors='replace'") from None
 
 
 def build_request(request_id: str, text: bytes, options: GenerationOptions, stream: bool,
@@ -119,7 +120,7 @@ def build_request(request_id: str, text: bytes, options: GenerationOptions, stre
 def parse_response(message: service_pb2.ModelStreamInferResponse) -> Piece:
     response = message.infer_response
     if message.error_message:
-        return Piece(response.id, final=True, error=message.error_message)
+        return Piece(response.id, final=True, error=from_server(message.error_message))
     final = response.parameters["triton_final_response"].bool_param
     values = {}
     for tensor, raw in zip(response.outputs, response.raw_output_contents):

@@ -37,15 +37,10 @@ class SamplingInputs:
     top_p: np.ndarray
     uniform: np.ndarray
 
-    def feeds(self) -> dict[str, np.ndarray]:
-        return {"ban_rows": self.ban_rows, "sample_rows": self.sample_rows, "temperature": self.temperature,
-                "top_k": self.top_k, "top_p": self.top_p, "uniform": self.uniform}
-
 
 @dataclass(frozen=True)
 class _Group:
-    """One attention group's rows (decode or prefill), in export/step.py's layout; `ids`,
-    `positions`, `writes` and `order` are packed over its new tokens, `last` is each row's last."""
+    """One attention group's rows (decode or prefill) in export/step.py's layout."""
 
     ids: np.ndarray
     positions: np.ndarray
@@ -90,7 +85,7 @@ def build_step(work: list[Work], blocks: BlockManager, rng: np.random.Generator 
         "input_ids": ids, "position_ids": positions,
         "decode_tokens": d.tokens, "decode_slots": d.slots, "decode_mask": d.mask,
         "prefill_tokens": p_tokens, "prefill_slots": p_slots, "prefill_mask": p_mask,
-        "token_order": order, "logit_tokens": logit_tokens, **sampling.feeds(),
+        "token_order": order, "logit_tokens": logit_tokens, **vars(sampling),
     }
     return StepBatch(feeds, writes, ordered, sampled, sampling)
 

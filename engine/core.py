@@ -77,9 +77,6 @@ class EngineCore:
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
 
-    def has_work(self) -> bool:
-        return self.scheduler.has_work()
-
     def abort(self, seq: Sequence, why: str) -> None:
         """Stops work nobody will read (cancelled, past its deadline, its caller unreachable): its
         cache is freed now and it gets a final `abort` response."""
@@ -102,7 +99,7 @@ class EngineCore:
                 self.fail(seq, error)
 
     def fail(self, seq: Sequence, error: str) -> None:
-        """A retryable error for a request the engine cannot serve (it was never or is no longer run)."""
+        """A retryable error for a request the engine cannot serve."""
         if not seq.finished:
             self.scheduler.retire(seq)
             seq.output.deliver(seq.output.final(seq.output_ids, "abort", error, retryable=True))
@@ -134,9 +131,8 @@ class EngineCore:
                 raise
 
     def warm_up(self) -> None:
-        """A few throw-away steps before serving, so that the runtime's first-run work (allocations,
-        kernel selection) is not paid by the first callers; stats start after it. A failure here
-        names what failed (the model cannot serve)."""
+        """Throw-away steps before serving: the runtime's first-run work (allocations, kernel
+        selection) is not paid by the first callers; stats start after it."""
         params = SamplingParams(max_tokens=4, temperature=1.0, top_p=0.9, ignore_eos=True)
         seqs = [self.make_sequence("def warm_up(x):\n" * (i + 1), params, lambda out: None) for i in range(4)]
         try:

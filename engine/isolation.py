@@ -1,11 +1,9 @@
 """Running one step so that only a request that fails on its own gets an error.
 
-A step that raises is split in halves and each half run again, recursively: a request that fails
-alone (a poisoned input, an allocation only it needs) is failed, its batch-mates go on. Admissions
-back off only when the step failed because of its size (the whole failed, both halves passed).
-A step in which every request failed may still be a step of requests that fail on their own, so
-a one-token probe step decides: if it fails too, the device is broken (a sticky CUDA error, a dead
-runtime) and `EngineBroken` is raised for whoever drives the engine.
+A step that raises is split in halves and each half run again, recursively. Admissions back off
+only when the step failed because of its size (the whole failed, both halves passed). When every
+request failed, a one-token probe step tells a broken device (it fails too) from requests that fail
+on their own; a broken device raises EngineBroken for whoever drives the engine.
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ from batchstring.engine.stats import EngineStats
 
 @dataclass(frozen=True)
 class Ran:
-    """A part of the step that ran: its rows, the inputs it was given and what came back."""
+    """A part of the step that ran: its rows, its inputs and what came back."""
 
     work: list[Work]
     batch: StepBatch

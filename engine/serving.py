@@ -85,7 +85,7 @@ class ServingEngine:
 
     def _loop(self) -> None:
         try:
-            while not self.broken and self._take(self._next(block=not self.core.has_work())):
+            while not self.broken and self._take(self._next(block=not self.core.scheduler.has_work())):
                 self._step()
         except EngineBroken as exc:
             self._break(str(exc))

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from batchstring.client import AsyncBatchClient, Completion
+from batchstring.client import AsyncBatchClient, Completion, InvalidArgument
 from batchstring.client import openai_format as fmt
 from batchstring.client.protocol import Piece
 from batchstring.frontdoor.auth import ApiKeys
@@ -97,8 +97,8 @@ class OpenAIRoutes:
             return web.json_response(self._body(parsed, results))
         except ApiError as exc:
             return exc.response()
-        except (TypeError, ValueError) as exc:  # text the client refuses to send (lone surrogates)
-            return error_response(400, str(exc), "prompt", "invalid_value")
+        except InvalidArgument as exc:  # text the client refuses to send (lone surrogates)
+            return error_response(400, exc.message, "prompt", "invalid_value")
 
     # ----- request -----------------------------------------------------------------------------
 

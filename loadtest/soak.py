@@ -24,7 +24,7 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
-from batchstring.client import BatchClient, DeadlineExceeded, ItemError
+from batchstring.client import BatchClient, BatchstringError, DeadlineExceeded
 from batchstring.server.local import LocalServer
 from batchstring.server.supervisor import Supervisor
 
@@ -53,10 +53,10 @@ def audit(items: list[str], outputs: list, ref: dict[str, str], tally: Counter) 
         tally["duplicated"] += len(outputs) - len(items)
     for position, (item, out) in enumerate(zip(items, outputs)):
         if MARKER in item:
-            tally["isolated failures" if isinstance(out, ItemError) else "wrong"] += 1
+            tally["isolated failures" if isinstance(out, BatchstringError) else "wrong"] += 1
         elif isinstance(out, DeadlineExceeded):
             tally["deadline"] += 1
-        elif isinstance(out, ItemError) and out.retryable:
+        elif isinstance(out, BatchstringError) and out.retryable:
             tally["retryable errors"] += 1  # sent again until the call's deadline, and still not answered
         elif isinstance(out, BaseException):
             tally["unexpected errors"] += 1
@@ -175,7 +175,7 @@ def _break_engine(server: LocalServer, every: float, deadline: float, stop: thre
         with BatchClient(server.grpc_url, retry=RetryPolicy(max_attempts=1)) as once:
             out = once.batchstring([f"x = 1 # {MARKER}:{kinds[n % 3]}"], max_tokens=4, timeout=30,
                                    return_exceptions=True)[0]
-        tally["engine breaks (retryable error)" if isinstance(out, ItemError) and out.retryable
+        tally["engine breaks (retryable error)" if isinstance(out, BatchstringError) and out.retryable
               else "engine breaks (other outcome)"] += 1
         n += 1
 

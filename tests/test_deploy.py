@@ -22,7 +22,7 @@ import pytest
 import yaml
 from google.protobuf import text_format
 
-from batchstring.client import BatchClient, ItemError
+from batchstring.client import BatchClient, Unauthenticated
 from batchstring.server.local import LocalServer, ServerError, free_ports
 from batchstring.server.repository import load_config
 from batchstring.server.stats import batch_stats, metrics
@@ -158,7 +158,7 @@ def test_image_command_line_serves_the_model_behind_the_front_door(model_dir, tm
             assert client.batchstring(["def image():"], max_tokens=4)[0]
         with BatchClient(f"127.0.0.1:{grpc}", api_key="wrong") as client:
             refused = client.batchstring(["def image():"], max_tokens=4, return_exceptions=True)[0]
-        assert isinstance(refused, ItemError) and refused.kind == "UNAUTHENTICATED" and not refused.retryable
+        assert isinstance(refused, Unauthenticated) and not refused.retryable
         assert "requires an API key" in str(refused)
         body = json.dumps({"text_input": "def image():", "max_tokens": 4, "temperature": 0}).encode()
         assert post("/v2/models/llm/generate", body, bearer)["text_output"]

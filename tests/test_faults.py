@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from batchstring.client import BatchClient, BatchError, DeadlineExceeded, ItemError, RetryPolicy
+from batchstring.client import BatchClient, BatchError, BatchstringError, DeadlineExceeded, RetryPolicy
 from batchstring.server.local import LocalServer
 from batchstring.server.stats import metrics
 from batchstring.server.supervisor import Supervisor
@@ -77,7 +77,7 @@ def check(results, ref: dict[str, str]) -> dict[str, int]:
         assert len(outputs) == len(items), "an item was lost or duplicated"
         for item, out in zip(items, outputs):
             if FAULT_MARKER in item:
-                assert isinstance(out, ItemError) and "out of memory" in str(out)
+                assert isinstance(out, BatchstringError) and "out of memory" in str(out)
                 counts["isolated"] += 1
             elif isinstance(out, DeadlineExceeded):
                 counts["deadline"] += 1
@@ -183,7 +183,7 @@ def test_full_queue_is_refused_fast_and_retried_with_backoff(tiny_queue_server):
     with BatchClient(url, retry=RetryPolicy(max_attempts=1)) as c, ThreadPoolExecutor(32) as pool:
         outcomes = list(pool.map(lambda i: c.batchstring([POOL[i % 24]], max_tokens=40, ignore_eos=True,
                                                          return_exceptions=True)[0], range(32)))
-    rejected = [o for o in outcomes if isinstance(o, ItemError)]
+    rejected = [o for o in outcomes if isinstance(o, BatchstringError)]
     assert rejected, "a burst of 32 into 2 running + 2 waiting + 4 queued must overflow the queue"
     assert all("exceeds maximum queue size" in str(e).lower() and e.retryable for e in rejected)
     results = load(url, calls=40, concurrency=32, retry=RetryPolicy(max_attempts=20, max_backoff=1.0), timeout=120)

@@ -17,8 +17,15 @@ import grpc
 import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from batchstring.client import AsyncBatchClient, BatchClient, DeadlineExceeded, ItemError, RetryPolicy
-from batchstring.client.errors import INVALID_ARGUMENT, UNAVAILABLE
+from batchstring.client import (
+    AsyncBatchClient,
+    BatchClient,
+    BatchstringError,
+    DeadlineExceeded,
+    InvalidArgument,
+    RetryPolicy,
+    Unavailable,
+)
 from batchstring.server.stats import metrics
 from batchstring.server.supervisor import Supervisor
 from tests.conftest import FAULT_MARKER, metric_reaches, start_server
@@ -80,7 +87,7 @@ def test_admin_apis_are_unreachable_from_outside(server):
 def test_the_client_refuses_an_item_over_the_server_limit_without_spoiling_the_others(server, client):
     results = client.batchstring(["def fine():", "x" * (2 << 20), "def also_fine():"], max_tokens=4,
                                  return_exceptions=True)
-    assert isinstance(results[1], ItemError) and results[1].kind == INVALID_ARGUMENT and not results[1].retryable
+    assert isinstance(results[1], InvalidArgument) and not results[1].retryable
     assert "at most 1048576 bytes" in str(results[1])
     assert isinstance(results[0], str) and isinstance(results[2], str)
 
@@ -178,12 +185,12 @@ def test_a_broken_engine_is_restarted_and_every_item_is_right_or_a_retryable_err
                                         return_exceptions=True)[0]
         for f in load:
             f.result(timeout=120)
-    assert isinstance(poisoned, ItemError) and poisoned.retryable, poisoned
+    assert isinstance(poisoned, Unavailable) and poisoned.retryable, poisoned
     back = [t for t, line in events if "serving again" in line and t > injected]
     assert supervisor.restarts == restarts + 1 and back, events
     assert back[0] - injected <= 30, f"served again {back[0] - injected:.1f} s after the fault"
     wrong = [(item, out) for item, out in outcomes if out != reference[item]
-             and not (isinstance(out, ItemError) and out.retryable)]
+             and not (isinstance(out, BatchstringError) and out.retryable)]
     assert wrong == [], "every item: right, or an explicit retryable error"
     served_after = [out for item, out in outcomes[-18:]]
     assert served_after == [reference[item] for item, _ in outcomes[-18:]], "served again, correctly"
@@ -194,7 +201,7 @@ def test_a_failing_send_costs_only_its_request(server, client):
     stub_pid = server.stub_processes()[0].pid
     with BatchClient(server.grpc_url, retry=RetryPolicy(max_attempts=1)) as c:
         pieces = c.stream(f"def unlucky(): # {FAULT_MARKER}:send", max_tokens=40, ignore_eos=True, timeout=30)
-        with pytest.raises(ItemError, match="could not be sent") as failed:
+        with pytest.raises(BatchstringError, match="could not be sent") as failed:
             list(pieces)
     assert not failed.value.retryable
     assert client.batchstring(POOL[:6], max_tokens=8) == expected
@@ -213,7 +220,7 @@ def test_an_isolated_failure_does_not_throttle_the_others(server, client):
 
     healthy = admission_steps_of_a_crowd()
     results = client.batchstring([*POOL[:15], POOL[15] + FAULT_MARKER], max_tokens=8, return_exceptions=True)
-    assert isinstance(results[15], ItemError) and results[15].kind != UNAVAILABLE
+    assert isinstance(results[15], BatchstringError) and not isinstance(results[15], Unavailable)
     after = admission_steps_of_a_crowd()
     assert healthy < 16 and after <= max(12, 2 * healthy), (
         f"after an isolated failure the others are admitted as before ({after:.0f} admission steps vs {healthy:.0f})")

@@ -9,7 +9,14 @@ import time
 import numpy as np
 import pytest
 
-from batchstring.client import AsyncBatchClient, BatchClient, BatchError, DeadlineExceeded, ItemError
+from batchstring.client import (
+    AsyncBatchClient,
+    BatchClient,
+    BatchError,
+    BatchstringError,
+    DeadlineExceeded,
+    InvalidArgument,
+)
 from batchstring.server.stats import batch_stats, metrics
 from tests.conftest import FAULT_MARKER, metric_reaches, staggered, start_server
 from tests.engine_helpers import alone, engine, varied_prompts
@@ -79,7 +86,7 @@ def test_one_poisoned_request_among_sixteen_fails_alone(client, prompts, hf_refe
     items = [*prompts[:15], prompts[15] + FAULT_MARKER]
     results = client.batchstring(items, max_tokens=16, return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
-    assert len(errors) == 1 and isinstance(results[15], ItemError)
+    assert len(errors) == 1 and isinstance(results[15], BatchstringError)
     assert "out of memory" in str(results[15]) and not results[15].retryable
     assert results[:15] == hf_reference[:15]
 
@@ -123,11 +130,11 @@ def test_one_client_shared_by_sixteen_threads(client, prompts):
 def test_client_side_checks_happen_before_anything_is_sent():
     with BatchClient("127.0.0.1:9") as c:  # nothing listens there
         assert c.batchstring([]) == []
-        with pytest.raises(TypeError, match="must be str"):
+        with pytest.raises(InvalidArgument, match="must be str"):
             c.batchstring(["ok", 3])
-        with pytest.raises(TypeError, match="list of strings"):
+        with pytest.raises(InvalidArgument, match="list of strings"):
             c.batchstring("not a list")
-        with pytest.raises(ValueError, match="lone surrogates"):
+        with pytest.raises(InvalidArgument, match="lone surrogates"):
             c.batchstring(["bad \ud800"])
 
 

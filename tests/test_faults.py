@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from batchstring.client import BatchClient, BatchError, BatchstringError, DeadlineExceeded, RetryPolicy
+from batchstring.client import BatchClient, BatchError, BatchstringError, DeadlineExceeded, RetryPolicy, Unavailable
 from batchstring.server.local import LocalServer
 from batchstring.server.stats import metrics
 from batchstring.server.supervisor import Supervisor
@@ -184,6 +184,7 @@ def test_full_queue_is_refused_fast_and_retried_with_backoff(tiny_queue_server):
         outcomes = list(pool.map(lambda i: c.batchstring([POOL[i % 24]], max_tokens=40, ignore_eos=True,
                                                          return_exceptions=True)[0], range(32)))
     rejected = [o for o in outcomes if isinstance(o, BatchstringError)]
+    assert all(isinstance(e, Unavailable) for e in rejected), rejected
     assert rejected, "a burst of 32 into 2 running + 2 waiting + 4 queued must overflow the queue"
     assert all("exceeds maximum queue size" in str(e).lower() and e.retryable for e in rejected)
     results = load(url, calls=40, concurrency=32, retry=RetryPolicy(max_attempts=20, max_backoff=1.0), timeout=120)

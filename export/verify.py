@@ -173,6 +173,7 @@ def make_case(hf_model, batch: int, past: int, rng: np.random.Generator) -> Case
     cfg = hf_model.config
     layers, heads = cfg.num_hidden_layers, cfg.num_key_value_heads
     head_dim = hf_model.model.layers[0].self_attn.head_dim
+    device = hf_model.device
     past_lens = [past - (i * 7) % (past + 1) for i in range(batch)]
     new_lens = [max(1, NEW_TOKENS - i % 5) for i in range(batch)]  # 5, 4, 3, 2, 1, ...
     num_slots = sum(past_lens) + 11
@@ -183,10 +184,10 @@ def make_case(hf_model, batch: int, past: int, rng: np.random.Generator) -> Case
     for i, (p, s) in enumerate(zip(past_lens, new_lens)):
         ids = torch.from_numpy(rng.integers(0, cfg.vocab_size, size=p + s))
         with torch.no_grad():
-            full = hf_model(input_ids=ids[None], use_cache=True)
-        ref_logits.append(full.logits[0, -1].float().numpy())
-        keys = np.stack([layer.keys[0].float().numpy() for layer in full.past_key_values.layers])  # [L,H,T,D]
-        values = np.stack([layer.values[0].float().numpy() for layer in full.past_key_values.layers])
+            full = hf_model(input_ids=ids[None].to(device), use_cache=True)
+        ref_logits.append(_numpy(full.logits[0, -1]))
+        keys = np.stack([_numpy(layer.keys[0]) for layer in full.past_key_values.layers])  # [L,H,T,D]
+        values = np.stack([_numpy(layer.values[0]) for layer in full.past_key_values.layers])
         slots = order[used : used + p]
         used += p
         key_cache[:, :, slots] = keys[:, :, :p]
@@ -197,6 +198,10 @@ def make_case(hf_model, batch: int, past: int, rng: np.random.Generator) -> Case
     rows = [rows[i] for i in shuffle]
     feeds = pack(rows, key_cache, value_cache)
     return Case(feeds, rows, np.stack(ref_logits)[shuffle], [ref_kv[i] for i in shuffle])
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    return t.float().cpu().numpy()
 
 
 def case_error(case: Case, outputs: tuple[np.ndarray, ...], relative: bool = False) -> float:
@@ -223,18 +228,19 @@ def hf_outputs(hf_model, case: Case) -> tuple:
     from transformers import DynamicCache
 
     logits, new_k, new_v = [], [], []
+    device = hf_model.device
     for row in case.rows:
         cache = DynamicCache()
         for layer in range(case.feeds["key_cache"].shape[0]):
             past = (case.feeds[name][layer][:, row.past_slots][None] for name in ("key_cache", "value_cache"))
-            cache.update(*(torch.from_numpy(np.ascontiguousarray(t)).to(hf_model.dtype) for t in past), layer)
+            cache.update(*(torch.from_numpy(np.ascontiguousarray(t)).to(device, hf_model.dtype) for t in past), layer)
         with torch.no_grad():
-            out = hf_model(input_ids=torch.tensor([row.new_ids]), past_key_values=cache, use_cache=True,
-                           position_ids=torch.arange(row.past, row.past + len(row.new_ids))[None])
+            out = hf_model(input_ids=torch.tensor([row.new_ids], device=device), past_key_values=cache, use_cache=True,
+                           position_ids=torch.arange(row.past, row.past + len(row.new_ids), device=device)[None])
         n = len(row.new_ids)
-        logits.append(out.logits[0, -1].float().numpy())
-        new_k.append(np.stack([lay.keys[0, :, -n:].float().numpy() for lay in out.past_key_values.layers]))
-        new_v.append(np.stack([lay.values[0, :, -n:].float().numpy() for lay in out.past_key_values.layers]))
+        logits.append(_numpy(out.logits[0, -1]))
+        new_k.append(np.stack([_numpy(lay.keys[0, :, -n:]) for lay in out.past_key_values.layers]))
+        new_v.append(np.stack([_numpy(lay.values[0, :, -n:]) for lay in out.past_key_values.layers]))
     return None, None, None, None, np.stack(logits), np.concatenate(new_k, 2), np.concatenate(new_v, 2)
 
 
@@ -252,13 +258,14 @@ def sampling_agreement(case: Case, outputs: tuple[np.ndarray, ...], eos_ids: lis
 
 
 def verify_logits(hf_model, runtimes: dict[str, StepFn], eos_ids: list[int], seed: int = 0,
-                  relative: bool = False, hf_16bit=None) -> list[CaseResult]:
+                  relative: bool = False, hf_16bit=None, cases: list[tuple[int, int]] = CASES) -> list[CaseResult]:
     """Each runtime's error against `hf_model`. With `hf_16bit` (the same checkpoint in the
     export's 16-bit dtype, `hf_model` then being its float32 truth), HF's own 16-bit forward is
-    measured the same way and reported beside the runtimes, as the yardstick for theirs."""
+    measured the same way and reported beside the runtimes, as the yardstick for theirs. The
+    HF models run where they are (any device); the runtimes take and return host arrays."""
     rng = np.random.default_rng(seed)
     results = []
-    for batch, past in CASES:
+    for batch, past in cases:
         case = make_case(hf_model, batch, past, rng)
         outputs = {name: run(**case.feeds) for name, run in runtimes.items()}
         errors = {n: case_error(case, o, relative) for n, o in outputs.items()}
@@ -294,18 +301,36 @@ def greedy_with_step(run: StepFn, prompt_ids: list[int], new_tokens: int, kv_sha
 
 
 def verify_greedy(hf_model, encode: Callable[[str], list[int]], eos_ids: list[int], runtimes: dict[str, StepFn],
-                  cache_dtype: np.dtype = np.float32) -> dict[str, dict[str, bool]]:
+                  cache_dtype: np.dtype = np.float32, prompts: tuple[str, ...] = GREEDY_PROMPTS,
+                  new_tokens: int = GREEDY_TOKENS) -> dict[str, dict[str, bool]]:
     """HF `generate` (greedy, EOS ignored) vs our step loop, token for token, per prompt."""
     cfg = hf_model.config
     kv_shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, hf_model.model.layers[0].self_attn.head_dim)
     results: dict[str, dict[str, bool]] = {}
-    for prompt in GREEDY_PROMPTS:
+    for prompt in prompts:
         ids = encode(prompt)
         with torch.no_grad():
             ref = hf_model.generate(
-                torch.tensor([ids]), max_new_tokens=GREEDY_TOKENS, min_new_tokens=GREEDY_TOKENS,
+                torch.tensor([ids], device=hf_model.device), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                 do_sample=False, eos_token_id=eos_ids or None, pad_token_id=(eos_ids or [0])[0],
             )[0, len(ids) :].tolist()
-        results[prompt] = {name: greedy_with_step(run, ids, GREEDY_TOKENS, kv_shape, eos_ids, cache_dtype) == ref
+        results[prompt] = {name: greedy_with_step(run, ids, new_tokens, kv_shape, eos_ids, cache_dtype) == ref
                            for name, run in runtimes.items()}
     return results
+
+
+# ----- the tolerance rule ----------------------------------------------------------------------
+
+
+def limit(case: CaseResult, dtype: str) -> float:
+    """float32: an absolute TOLERANCE. 16 bits: twice what HF's own forward in that dtype is off
+    from the float32 truth in the same case, and at least the dtype's TOLERANCE."""
+    floor = TOLERANCE[dtype]
+    return floor if dtype == "float32" else max(floor, 2 * case.max_diff[HF_16BIT])
+
+
+def tolerance_failures(cases: list[CaseResult], dtype: str) -> list[str]:
+    """Every runtime and case past its limit (NaN fails too), in words."""
+    measure = "max |Δ|" if dtype == "float32" else "max |Δ|/max(1,|truth|)"
+    return [f"{name}: {measure} {c.max_diff[name]:.2e} at {c.batch} rows, past {c.past} (limit {limit(c, dtype):.2e})"
+            for c in cases for name in c.max_diff if name != HF_16BIT and not c.max_diff[name] <= limit(c, dtype)]

@@ -5,15 +5,24 @@ a channel of the same kind (unary, or bidirectional stream for ModelStreamInfer)
 library refuses a message larger than `max_message_bytes` with RESOURCE_EXHAUSTED before it is
 read, so no request can make the server allocate more than that. Cancellation and deadlines pass
 through: a client that cancels its stream cancels Triton's, which cancels its requests.
+
+While the front door drains (frontdoor/health.py `Drain`), every new call but ServerLive is
+refused with UNAVAILABLE, and so is every new request on a stream already open (answered on that
+stream, under its own id, as Triton answers a request it refuses); the requests already sent run
+on, and a stream whose requests outlast the drain is ended with UNAVAILABLE.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
+from google.protobuf.message import DecodeError
+from tritonclient.grpc import service_pb2
 
 from batchstring.frontdoor.auth import ApiKeys
+from batchstring.frontdoor.health import Drain
 from batchstring.frontdoor.limits import Limits
 
 SERVICE = "/inference.GRPCInferenceService/"
@@ -24,16 +33,19 @@ OPEN = ("ServerLive", "ServerReady", "ModelReady")  # health: probes need no key
 
 
 class Passthrough(grpc.GenericRpcHandler):
-    def __init__(self, upstream: str, limits: Limits, keys: ApiKeys | None = None) -> None:
+    def __init__(self, upstream: str, limits: Limits, keys: ApiKeys | None = None, drain: Drain | None = None) -> None:
         self.keys = keys or ApiKeys([])
+        self.drain = drain or Drain()
         options = [("grpc.max_receive_message_length", 64 * 2**20),
                    ("grpc.max_send_message_length", limits.max_message_bytes)]
         self.channel = grpc.aio.insecure_channel(upstream, options=options)
 
     def service(self, details: grpc.HandlerCallDetails):
         name = details.method.removeprefix(SERVICE)
+        if self.drain.draining and name in UNARY + STREAM and name != "ServerLive":
+            return _refuse(name in STREAM, grpc.StatusCode.UNAVAILABLE, Drain.MESSAGE)
         if name in UNARY + STREAM and name not in OPEN and not self.keys.allows(_authorization(details)):
-            return _refuse(name in STREAM, self.keys.REFUSAL)
+            return _refuse(name in STREAM, grpc.StatusCode.UNAUTHENTICATED, self.keys.REFUSAL)
         if name in UNARY:
             return grpc.unary_unary_rpc_method_handler(self._unary(details.method))
         if name in STREAM:
@@ -44,25 +56,51 @@ class Passthrough(grpc.GenericRpcHandler):
         call = self.channel.unary_unary(method)
 
         async def handle(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-            try:
-                return await call(request, timeout=context.time_remaining())
-            except grpc.aio.AioRpcError as exc:
-                await context.abort(exc.code(), exc.details() or "")
+            with self.drain.request():
+                try:
+                    return await call(request, timeout=context.time_remaining())
+                except grpc.aio.AioRpcError as exc:
+                    await context.abort(exc.code(), exc.details() or "")
 
         return handle
 
     def _stream(self, method: str):
         call = self.channel.stream_stream(method)
 
-        async def handle(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
-            upstream = call(requests, timeout=context.time_remaining())
-            try:
-                async for response in upstream:
-                    yield response
-            except grpc.aio.AioRpcError as exc:
-                await context.abort(exc.code(), exc.details() or "")
-            finally:
-                upstream.cancel()  # the client left (or the stream ended): Triton's side ends too
+        async def handle(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
+            writing = asyncio.Lock()  # refusals and Triton's responses share the stream
+
+            async def write(message: bytes) -> None:
+                async with writing:
+                    await context.write(message)
+
+            async def admitted(counted) -> AsyncIterator[bytes]:
+                async for request in requests:
+                    if self.drain.draining:
+                        await write(_refusal(request))
+                        continue
+                    counted.sent()
+                    yield request
+
+            cut = asyncio.Event()
+            with self.drain.stream(cut.set) as counted:
+                upstream = call(admitted(counted), timeout=context.time_remaining())
+                ended = asyncio.ensure_future(cut.wait())
+                ended.add_done_callback(lambda _: upstream.cancel())
+                try:
+                    async for response in upstream:
+                        counted.answered(response)
+                        await write(response)
+                except grpc.aio.AioRpcError as exc:
+                    await context.abort(exc.code(), exc.details() or "")
+                except asyncio.CancelledError:
+                    if not cut.is_set():
+                        raise  # the client left
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE: the server stopped before "
+                                        "these requests finished (drain deadline); send them again")
+                finally:
+                    ended.cancel()
+                    upstream.cancel()  # the client left (or the stream ended): Triton's side ends too
 
         return handle
 
@@ -74,12 +112,23 @@ def _authorization(details: grpc.HandlerCallDetails) -> str | None:
     return next((value for key, value in details.invocation_metadata or () if key == "authorization"), None)
 
 
-def _refuse(stream: bool, message: str):
+def _refusal(request: bytes) -> bytes:
+    """Triton's answer to a request it refuses on a stream: an error response under its id."""
+    try:
+        refused = service_pb2.ModelInferRequest.FromString(request)
+    except DecodeError:
+        refused = service_pb2.ModelInferRequest()  # not a request Triton could read either: no id to answer
+    return service_pb2.ModelStreamInferResponse(
+        error_message=Drain.MESSAGE,
+        infer_response=service_pb2.ModelInferResponse(id=refused.id, model_name=refused.model_name)).SerializeToString()
+
+
+def _refuse(stream: bool, code: grpc.StatusCode, message: str):
     async def unary(request, context: grpc.aio.ServicerContext):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        await context.abort(code, message)
 
     async def streamed(requests, context: grpc.aio.ServicerContext):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        await context.abort(code, message)
         yield b""  # unreachable: makes this an async generator, as stream handlers are
 
     if stream:
@@ -88,8 +137,8 @@ def _refuse(stream: bool, message: str):
 
 
 async def serve(host: str, port: int, upstream: str, limits: Limits, credentials: grpc.ServerCredentials | None = None,
-                keys: ApiKeys | None = None) -> tuple[grpc.aio.Server, Passthrough]:
-    handler = Passthrough(upstream, limits, keys)
+                keys: ApiKeys | None = None, drain: Drain | None = None) -> tuple[grpc.aio.Server, Passthrough]:
+    handler = Passthrough(upstream, limits, keys, drain)
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", limits.max_message_bytes),
         ("grpc.max_send_message_length", 64 * 2**20),

@@ -1,5 +1,9 @@
 """The HTTP side: Triton's generate, infer and health routes, forwarded with a bounded body.
 
+While the front door drains (health.py `Drain`) every route but `/v2/health/live` answers 503
+with a retryable UNAVAILABLE message and closes its connection; requests already admitted run to
+their end.
+
 Bodies are read with a limit (aiohttp's `client_max_size` stops reading at it), so an oversized
 request costs the front door at most that much memory and never reaches Triton; it gets 413 with
 the limit in the message. Only the routes below are forwarded; anything else is 404 here.
@@ -14,7 +18,7 @@ from aiohttp import web
 
 from batchstring.client.defaults import MODEL
 from batchstring.frontdoor.auth import ApiKeys
-from batchstring.frontdoor.health import stub_alive
+from batchstring.frontdoor.health import Drain, stub_alive
 from batchstring.frontdoor.limits import Limits
 from batchstring.frontdoor.openai_api import OpenAIRoutes, error_response
 
@@ -89,7 +93,7 @@ class Upstream:
 
 
 def make_app(upstream: Upstream, limits: Limits, openai: OpenAIRoutes | None = None,
-             keys: ApiKeys | None = None) -> web.Application:
+             keys: ApiKeys | None = None, drain: Drain | None = None) -> web.Application:
     async def handle(request: web.Request) -> web.StreamResponse:
         body = await request.read() if request.method == "POST" else b""
         return await upstream.forward(request, body)
@@ -101,7 +105,8 @@ def make_app(upstream: Upstream, limits: Limits, openai: OpenAIRoutes | None = N
         return await upstream.forward(request, b"")
 
     app = web.Application(client_max_size=limits.max_body_bytes,
-                          middlewares=[_errors(limits, openai is not None), _auth(keys or ApiKeys([]))])
+                          middlewares=[_errors(limits, openai is not None), _draining(drain or Drain()),
+                                       _auth(keys or ApiKeys([]))])
     app.router.add_routes([web.get(path, readiness if path.endswith("ready") else handle) for path in GET_ROUTES])
     app.router.add_routes([web.post(path, handle) for path in POST_ROUTES])
     if openai is not None:
@@ -120,6 +125,21 @@ def make_metrics_app(upstream: Upstream) -> web.Application:
     app.on_startup.append(lambda _: upstream.start())
     app.on_cleanup.append(lambda _: upstream.close())
     return app
+
+
+def _draining(drain: Drain) -> Callable:
+    @web.middleware
+    async def middleware(request: web.Request, handler) -> web.StreamResponse:
+        if request.path == "/v2/health/live":  # alive while it drains: no reason to kill it
+            return await handler(request)
+        if drain.draining:
+            refused = error(503, Drain.MESSAGE, request.path)
+            refused.force_close()  # a kept-alive client connection moves on, to another server
+            return refused
+        with drain.request():
+            return await handler(request)
+
+    return middleware
 
 
 def _auth(keys: ApiKeys) -> Callable:

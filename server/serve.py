@@ -7,10 +7,11 @@ import argparse
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 from batchstring.frontdoor.batch_store import default_data_dir
-from batchstring.server.local import LocalServer, ServerError
+from batchstring.server.local import DRAIN_SECONDS, LocalServer, ServerError
 from batchstring.server.repository import parameters
 from batchstring.server.supervisor import Supervisor
 from batchstring.server.triton import DEFAULT_REPOSITORY, TLS, Ports, TritonNotFound
@@ -39,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", type=Path, default=default_data_dir(),
                    help="where the Batch API keeps its files and batches across restarts (default: %(default)s)")
     p.add_argument("--no-supervise", action="store_true", help="do not restart a dead model")
+    p.add_argument("--drain-seconds", type=float, default=DRAIN_SECONDS,
+                   help="on Ctrl-C/SIGTERM: readiness goes off and new requests are refused (retryable) at once; "
+                        "requests already admitted may finish for this long (default: %(default)s)")
     p.add_argument("--log", type=Path, help="log file of tritonserver and the front door (default: a temporary file)")
 
 
@@ -64,12 +68,15 @@ def front_door_options(args: argparse.Namespace) -> tuple[str, ...]:
 def run(args: argparse.Namespace) -> int:
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SystemExit("--tls-cert and --tls-key go together")
+    if args.drain_seconds < 0:
+        raise SystemExit(f"--drain-seconds must be 0 or more; got {args.drain_seconds:g}")
     tls = TLS(args.tls_cert, args.tls_key) if args.tls_cert else None
     server = LocalServer(config=args.config, host=args.host, repository=args.repository, tls=tls,
                          ports=Ports(args.http_port, args.grpc_port, args.metrics_port),
                          params=parse_params(args.param), log_path=args.log,
                          max_body_bytes=args.max_body_bytes, max_message_bytes=args.max_message_bytes,
-                         front_door_options=front_door_options(args), data_dir=args.data_dir)
+                         front_door_options=front_door_options(args), data_dir=args.data_dir,
+                         drain_seconds=args.drain_seconds)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -86,8 +93,9 @@ def run(args: argparse.Namespace) -> int:
         else:
             Supervisor(server, report=lambda line: print(line, flush=True)).run(stop)
     finally:
+        stopping = time.monotonic()
         server.close()
-        print("batchstring: stopped", flush=True)
+        print(f"batchstring: stopped in {time.monotonic() - stopping:.1f} s", flush=True)
     return 0
 
 

@@ -1,12 +1,18 @@
-"""Shared fixtures: the exported default model, in-process engines, and real tritonservers."""
+"""Shared fixtures: the exported default model, in-process engines, and real tritonservers; and
+the suite's last check, that no process a test started is still alive."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import os
 import shutil
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from batchstring.export.layout import MODEL_VERSION_DIR, missing_artifacts
@@ -17,6 +23,48 @@ FRONTDOOR = [sys.executable, "-m", "batchstring.frontdoor"]
 
 LOG_DIR = Path(__file__).parent / "logs"
 FAULT_MARKER = "<<poison>>"
+PR_SET_CHILD_SUBREAPER = 36
+SURVIVOR_GRACE_SECONDS = 5.0  # what "nothing survives" allows a process to take to end
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Makes this process the reaper of every orphan below it: a process a test started stays
+    this session's descendant even after its parent died, so the check at the end sees it."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fails the run if a process started during it is still alive (after a short grace), and
+    lists and kills what is left, so that nothing outlives the suite."""
+    survivors = descendants_after(SURVIVOR_GRACE_SECONDS)
+    if not survivors:
+        return
+    lines = [f"{len(survivors)} processes started by the tests are still alive:"]
+    for proc in survivors:
+        with contextlib.suppress(psutil.Error):
+            lines.append(f"  pid {proc.pid}: {' '.join(proc.cmdline())[:200]}")
+            proc.kill()
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    for line in lines:
+        reporter.write_line(line, red=True) if reporter else print(line, file=sys.stderr)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def descendants_after(grace: float) -> list[psutil.Process]:
+    """This process's live descendants once `grace` s have passed or none is left; zombies
+    (processes that ended, re-parented here) are reaped on the way."""
+    deadline = time.monotonic() + grace
+    while True:
+        alive = []
+        for proc in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(proc)
+                elif proc.ppid() == os.getpid():
+                    os.waitpid(proc.pid, os.WNOHANG)
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.1)
 
 
 @pytest.fixture(scope="session")

@@ -14,10 +14,13 @@ imports `vllm`): installed with this project, or on PYTHONPATH in the image.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import json
 import os
+import signal
 import site
+import subprocess
 import time
 from pathlib import Path
 
@@ -42,6 +45,7 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
+        _exit_with_tritonserver()
         config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise pb_utils.TritonModelException("the llm model must be decoupled (model_transaction_policy)")
@@ -146,6 +150,25 @@ def _cache_salt(request) -> bytes:
     the same salt share cached prefix blocks."""
     salt = json.loads(request.parameters() or "{}").get("cache_salt")
     return salt.encode() if isinstance(salt, str) else b""
+
+
+# Kills the model process ($1) once its parent is no longer tritonserver ($2), reaped or not.
+_WATCH_PARENT = 'while [ "$(cut -d " " -f 4 /proc/$1/stat 2>/dev/null)" = "$2" ]; do sleep 0.5; done; kill -9 "$1"'
+
+
+def _exit_with_tritonserver() -> None:
+    """Ends this model process within a second of its tritonserver's end; on a GPU it holds device
+    memory a restarted server needs. The stub's own check does not: it asks `kill(parent, 0)`,
+    which succeeds while the dead server is not yet reaped, and once that fails its clean-up
+    blocks (gdb: in `Stub::TerminateStubToParentQueueMonitor`) behind our calls into Triton: one in
+    progress when the server dies (`Metric.set`, a response) waits forever for an answer, holding
+    the GIL, so no thread in here could act either (a model without such threads does exit). So
+    a shell outside the interpreter watches; it dies with this process (the kernel's parent-death
+    signal, armed from this thread, which lives as long as the process)."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    subprocess.Popen(["/bin/sh", "-c", _WATCH_PARENT, "watch", str(os.getpid()), str(os.getppid())],
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                     preexec_fn=lambda: prctl(1, signal.SIGKILL))  # PR_SET_PDEATHSIG
 
 
 def _scalar(request, name: str):

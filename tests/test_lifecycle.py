@@ -1,0 +1,194 @@
+"""Process lifecycle against real servers: a stop drains and takes seconds, and nothing outlives
+the process that started it, whatever kills it (issue: stop in seconds, leave nothing behind).
+
+The image's entrypoint gets the same checks in tests/test_deploy.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from batchstring.client import AsyncBatchClient, BatchClient
+from batchstring.server.local import STUB_NAME, LocalServer, free_ports
+from batchstring.server.stats import metrics
+from tests.conftest import BATCHSTRING, start_server
+
+STOP_BOUND = 3.0  # seconds from SIGTERM to exit, beyond the drain
+GONE_BOUND = 5.0  # seconds for every process of a killed parent to end
+MAX_TOKENS = 64
+
+
+def serve(tmp_path: Path, *options: str) -> tuple[subprocess.Popen, list[int], str]:
+    """`batchstring serve` on free ports, once it says it is ready: (process, ports, its banner)."""
+    ports = free_ports()
+    proc = subprocess.Popen([*BATCHSTRING, "serve", "--config", "cpu", "--log", str(tmp_path / "serve.log"),
+                             *(f"--{name}-port={port}" for name, port in zip(("http", "grpc", "metrics"), ports)),
+                             *options], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc, ports, proc.stdout.readline()
+
+
+def kinds(processes: list[psutil.Process]) -> dict[str, psutil.Process]:
+    """The server's processes by what they are: front door, tritonserver, model (the stub)."""
+    found = {}
+    for proc in processes:
+        command = " ".join(proc.cmdline())
+        if "batchstring.frontdoor" in command:
+            found["front door"] = proc
+        elif STUB_NAME in command:
+            found["model"] = proc
+        elif "tritonserver" in proc.name():
+            found["tritonserver"] = proc
+    return found
+
+
+def alive(processes) -> list[psutil.Process]:
+    result = []
+    for proc in processes:
+        try:
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                result.append(proc)
+        except psutil.NoSuchProcess:
+            continue
+    return result
+
+
+def gone_within(processes, seconds: float) -> list[psutil.Process]:
+    """The processes still alive after `seconds` (none, as soon as they are all gone)."""
+    deadline = time.monotonic() + seconds
+    while alive(processes) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive(processes)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def test_idle_sigterm_stops_serve_within_3_seconds_and_leaves_nothing(model_dir, tmp_path):
+    proc, ports, banner = serve(tmp_path)
+    try:
+        assert "llm ready" in banner and f"127.0.0.1:{ports[1]}" in banner, banner
+        processes = psutil.Process(proc.pid).children(recursive=True)
+        assert set(kinds(processes)) == {"front door", "tritonserver", "model"}
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        took = time.monotonic() - signalled
+        assert took <= STOP_BOUND, f"an idle stop took {took:.1f} s"
+        assert alive(processes) == []
+        assert "batchstring: stopped in" in proc.stdout.read()
+    finally:
+        stop(proc)
+
+
+@pytest.mark.parametrize("drain", [6.0, 0.2], ids=["admitted-finish", "cut-at-deadline"])
+def test_sigterm_under_load_loses_nothing_with_a_second_server(request, model_dir, tmp_path, drain):
+    """One `batchstring` call across two servers; one is stopped mid-call. Its admitted requests
+    finish (or, past a short drain deadline, are cut and sent again), new ones are refused as
+    retryable and go to the other server: every item comes back once, equal to the other
+    server's answer."""
+    other = start_server(request, "lifecycle-other", config="cpu")
+    proc, ports, banner = serve(tmp_path, f"--drain-seconds={drain:g}")
+    prompts = [f"def drain_{i}(items):" for i in range(160)]  # more than both engines run at once
+    with BatchClient(other.grpc_url) as client:
+        expected = client.batchstring(prompts, max_tokens=MAX_TOKENS, ignore_eos=True)
+    metrics_url = f"http://127.0.0.1:{ports[2]}/metrics"
+
+    async def call_and_stop() -> tuple[list[str], float, int]:
+        # Few items in flight at a time: the call keeps sending new ones while the server drains.
+        async with AsyncBatchClient([f"127.0.0.1:{ports[1]}", other.grpc_url], max_in_flight=32) as client:
+            call = asyncio.create_task(client.batchstring(prompts, max_tokens=MAX_TOKENS, ignore_eos=True))
+            generated = 0.0
+            while generated < 4 * MAX_TOKENS:  # the server to stop is busy with the call
+                await asyncio.sleep(0.1)
+                generated = (await asyncio.to_thread(metrics, metrics_url)).get("batchstring_generated_tokens_total", 0)
+            assert not call.done(), "the call ended before the stop: make it longer"
+            signalled = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+
+            def stop_time() -> float:
+                proc.wait()
+                return time.monotonic() - signalled
+
+            results, took = await asyncio.gather(call, asyncio.to_thread(stop_time))
+            return results, took, client.resent
+
+    try:
+        assert "llm ready" in banner, banner
+        results, took, resent = asyncio.run(call_and_stop())
+        assert proc.returncode == 0
+        assert results == expected, "every item once, each equal to what the other server answers"
+        assert took <= drain + STOP_BOUND, f"a busy stop took {took:.1f} s (drain deadline {drain:g} s)"
+        log = (tmp_path / "serve.log").read_text()
+        admitted = int(re.search(r"draining: .*; (\d+) admitted requests", log)[1])
+        assert admitted > 0, "the stopped server had requests in flight"
+        assert resent > 0, "requests refused (or cut) while it drained were sent again"
+        drained = re.search(r"frontdoor: drained in .*", log)[0]
+        assert ("cut at the deadline" in drained) == (drain < 1), drained
+        print(f"busy stop: {took:.1f} s, {admitted} requests admitted at SIGTERM, {resent} sent again;",
+              re.search(r"frontdoor: drained.*", log)[0])
+    finally:
+        stop(proc)
+
+
+def test_sigkill_of_serve_leaves_no_process_and_frees_its_ports(model_dir, tmp_path):
+    proc, ports, banner = serve(tmp_path)
+    try:
+        assert "llm ready" in banner, banner
+        processes = psutil.Process(proc.pid).children(recursive=True)
+        assert set(kinds(processes)) == {"front door", "tritonserver", "model"}
+        proc.kill()  # what Docker, Kubernetes and the OOM killer do when their patience ends
+        proc.wait()
+        left = gone_within(processes, GONE_BOUND)
+        assert left == [], f"still alive {GONE_BOUND:g} s after the supervisor: {[p.cmdline()[:3] for p in left]}"
+        for port in ports:
+            with socket.socket() as s:  # as the next server binds it
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(("127.0.0.1", port))
+    finally:
+        stop(proc)
+
+
+def test_sigkill_of_tritonserver_ends_its_model_process_within_5_seconds(model_dir):
+    """Not reaped on purpose: a dead tritonserver that its parent has not waited for yet is what
+    the stub's own check (`kill(parent, 0)`) cannot tell from a live one."""
+    server = LocalServer(config="cpu").start()
+    try:
+        model = server.stub_processes()
+        assert len(model) == 1
+        os.kill(server.process.pid, signal.SIGKILL)
+        assert gone_within(model, GONE_BOUND) == []
+    finally:
+        server.close()
+
+
+def test_a_restart_says_so_and_ends_an_old_model_process_before_starting(model_dir, capfd):
+    """A model process that survived its tritonserver (here: stopped, with its watch) would hold
+    its memory while the new server sizes its cache: the start waits for it, then kills it."""
+    server = LocalServer(config="cpu").start()
+    try:
+        model = server.stub_processes()[0]
+        for proc in (model, *model.children()):
+            proc.suspend()
+        os.kill(server.process.pid, signal.SIGKILL)
+        server.process.wait()
+        assert alive([model]) == [model]
+        server.start()
+        assert alive([model]) == []
+        said = capfd.readouterr().err
+        assert f"the model process of a tritonserver that is gone still runs (pid {model.pid})" in said
+        assert server.model_ready()
+    finally:
+        server.close()

@@ -8,7 +8,15 @@
 #     BATCHSTRING_ADMIN_KEY, or a random one nobody holds
 #   - the OpenAI-compatible API (/v1) on the HTTP port, unless BATCHSTRING_OPENAI=0; API keys, when
 #     wanted, from BATCHSTRING_API_KEY_FILE (a mounted secret, one key per line) or BATCHSTRING_API_KEYS
-#   - strict readiness; 30 s to drain in-flight requests on SIGTERM (Kubernetes grace period: 45 s)
+#   - strict readiness
+#   - stop (SIGTERM or SIGINT): the front door drains first: readiness off and new requests refused
+#     with a retryable UNAVAILABLE at once, admitted requests finish within BATCHSTRING_DRAIN_SECONDS
+#     (default 5; cut after it, their clients send them again), then it closes every connection
+#     and exits; tritonserver and its model process, holding nothing any more, are killed. Idle
+#     stop < 1 s, busy stop <= the drain + 3 s: within `docker stop`'s 10 s; compose and Kubernetes
+#     give 15 s (room for a longer BATCHSTRING_DRAIN_SECONDS: keep grace >= drain + 5)
+#   - nothing outlives this script: both children get a parent-death signal (setpriv --pdeathsig),
+#     and the model process ends itself when tritonserver is gone (model.py), here or as PID 1
 #   - the container exits when either process exits, or when the model stays unready for
 #     BATCHSTRING_EXIT_WHEN_UNREADY seconds (default 60): restart policies act on exits only
 set -euo pipefail
@@ -23,11 +31,11 @@ fi
 RESTRICTED="model-repository,shared-memory,trace,logging:admin-key=${ADMIN_KEY}"
 unset BATCHSTRING_ADMIN_KEY
 
-"${TRITONSERVER:-tritonserver}" \
+setpriv --pdeathsig KILL -- "${TRITONSERVER:-tritonserver}" \
   --model-repository="${MODEL_REPOSITORY:-/models}" \
   --model-control-mode=none \
   --strict-readiness=true \
-  --exit-timeout-secs=30 \
+  --exit-timeout-secs=3 \
   --http-address="unix:$SOCKETS/http.sock" \
   --grpc-address="unix:$SOCKETS/grpc.sock" --grpc-port=8001 \
   --metrics-address="unix:$SOCKETS/metrics.sock" \
@@ -40,7 +48,7 @@ if [ "${BATCHSTRING_OPENAI:-1}" = "0" ]; then FRONT_OPTIONS+=(--no-openai); fi
 if [ -f "${BATCHSTRING_API_KEY_FILE:-/nonexistent}" ]; then  # an optional Secret: keys when it is mounted
   FRONT_OPTIONS+=(--api-key-file "$BATCHSTRING_API_KEY_FILE")
 fi
-"${PYTHON:-python3}" -m batchstring.frontdoor "${FRONT_OPTIONS[@]}" \
+setpriv --pdeathsig KILL -- "${PYTHON:-python3}" -m batchstring.frontdoor "${FRONT_OPTIONS[@]}" \
   --host "${BATCHSTRING_HOST:-0.0.0.0}" \
   --http-port "${BATCHSTRING_HTTP_PORT:-8000}" \
   --grpc-port "${BATCHSTRING_GRPC_PORT:-8001}" \
@@ -49,14 +57,15 @@ fi
   --triton-grpc "unix:$SOCKETS/grpc.sock:8001" \
   --triton-metrics "$SOCKETS/metrics.sock" \
   --triton-pid "$TRITON" \
+  --drain-seconds "${BATCHSTRING_DRAIN_SECONDS:-5}" \
   --exit-when-unready "${BATCHSTRING_EXIT_WHEN_UNREADY:-60}" &
 FRONT=$!
 
-shutdown() {  # Triton drains first; its last responses still go out through the front door
-  kill -TERM "$TRITON" 2>/dev/null || true
-  wait "$TRITON" || true
+shutdown() {  # the front door drains (Triton answers its admitted requests), then Triton has nothing left
   kill -TERM "$FRONT" 2>/dev/null || true
   wait "$FRONT" || true
+  kill -KILL "$TRITON" 2>/dev/null || true
+  wait "$TRITON" || true
   exit 0
 }
 trap shutdown TERM INT

@@ -1,7 +1,7 @@
 """`python -m batchstring.frontdoor`: the front door process (HTTP, gRPC and metrics ports) for one tritonserver.
 
 It also watches the model: if `/v2/models/llm/ready` stays false (or Triton unreachable) for
-`--exit-when-unready` seconds, it exits with status 3, so that a container restart policy or a
+`--exit-when-unready` seconds after it was first ready, it exits with status 3, so that a container restart policy or a
 Kubernetes liveness probe acts (Docker restarts a container only when its process exits).
 
 On SIGTERM or SIGINT it drains (health.py `Drain`): readiness off and new requests refused with a
@@ -81,7 +81,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drain-seconds", type=float, default=DRAIN_SECONDS,
                    help="on SIGTERM, how long requests already admitted may run on (default: %(default)s)")
     p.add_argument("--exit-when-unready", type=float, default=0.0,
-                   help="exit (status 3) when the model stays unready this many seconds (0: never)")
+                   help="exit (status 3) when the model, once ready, stays unready this many seconds (0: never)")
     return p.parse_args(argv)
 
 
@@ -155,13 +155,16 @@ def _batch_api(args: argparse.Namespace, openai: OpenAIRoutes, keys: ApiKeys,
 
 
 async def _watch_readiness(upstream: Upstream, limit: float, stop: asyncio.Event) -> bool:
-    """True (and `stop` set) when the model has been unready for `limit` seconds."""
+    """True (and `stop` set) when the model has been unready for `limit` seconds, counted once it
+    has been ready: a model still loading (minutes, for a large one) is the startup probe's affair."""
     if limit <= 0:
         await asyncio.Event().wait()
-    unready_since = None
+    unready_since, served = None, False
     while True:
         now = time.monotonic()
-        unready_since = None if await upstream.ready() else unready_since or now
+        ready = await upstream.ready()
+        served = served or ready
+        unready_since = None if ready or not served else unready_since or now
         if unready_since is not None and now - unready_since >= limit:
             print(f"frontdoor: the model has not been ready for {limit:g} s; exiting so that it is restarted",
                   file=sys.stderr, flush=True)

@@ -24,7 +24,8 @@ FRONTDOOR = [sys.executable, "-m", "batchstring.frontdoor"]
 LOG_DIR = Path(__file__).parent / "logs"
 FAULT_MARKER = "<<poison>>"
 PR_SET_CHILD_SUBREAPER = 36
-SURVIVOR_GRACE_SECONDS = 5.0  # what "nothing survives" allows a process to take to end
+STOP_BOUND = 3.0  # seconds from SIGTERM to a server's exit, beyond its drain
+GONE_BOUND = 5.0  # seconds for every process of a killed parent to end
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -36,7 +37,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fails the run if a process started during it is still alive (after a short grace), and
     lists and kills what is left, so that nothing outlives the suite."""
-    survivors = descendants_after(SURVIVOR_GRACE_SECONDS)
+    survivors = descendants_after(GONE_BOUND)
     if not survivors:
         return
     lines = [f"{len(survivors)} processes started by the tests are still alive:"]
@@ -48,6 +49,41 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     for line in lines:
         reporter.write_line(line, red=True) if reporter else print(line, file=sys.stderr)
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def kinds(processes: list[psutil.Process]) -> dict[str, psutil.Process]:
+    """The server's processes by what they are: front door, tritonserver, model (the stub)."""
+    from batchstring.server.local import STUB_NAME
+
+    found = {}
+    for proc in processes:
+        command = " ".join(proc.cmdline())
+        if "batchstring.frontdoor" in command:
+            found["front door"] = proc
+        elif STUB_NAME in command:
+            found["model"] = proc
+        elif "tritonserver" in proc.name():
+            found["tritonserver"] = proc
+    return found
+
+
+def alive(processes) -> list[psutil.Process]:
+    result = []
+    for proc in processes:
+        try:
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                result.append(proc)
+        except psutil.NoSuchProcess:
+            continue
+    return result
+
+
+def gone_within(processes, seconds: float) -> list[psutil.Process]:
+    """The processes still alive after `seconds` (none, as soon as they are all gone)."""
+    deadline = time.monotonic() + seconds
+    while alive(processes) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive(processes)
 
 
 def descendants_after(grace: float) -> list[psutil.Process]:

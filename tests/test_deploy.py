@@ -27,7 +27,7 @@ from batchstring.server.local import LocalServer, ServerError, free_ports
 from batchstring.server.repository import load_config
 from batchstring.server.stats import batch_stats, metrics
 from batchstring.server.triton import TritonInstall
-from tests.conftest import BATCHSTRING, metric_reaches, start_server
+from tests.conftest import BATCHSTRING, GONE_BOUND, STOP_BOUND, gone_within, kinds, metric_reaches, start_server
 
 DOCKER = Path(__file__).resolve().parent.parent / "docker"
 BIN = Path(sys.executable).parent
@@ -69,9 +69,22 @@ def test_kubernetes_probes_and_grace_period_match_the_server():
     container = pod["containers"][0]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["httpGet"]["path"] == "/v2/models/llm/ready"
-    exit_timeout = int(re.search(r"--exit-timeout-secs=(\d+)", (DOCKER / "entrypoint.sh").read_text())[1])
-    assert pod["terminationGracePeriodSeconds"] > exit_timeout
+    assert pod["terminationGracePeriodSeconds"] >= grace_for_the_drain(container["env"])
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def grace_for_the_drain(env: list[dict] | dict) -> float:
+    """What a stop needs: the drain deadline the deployment sets (else the entrypoint's default),
+    the stop after it, and 2 s to spare."""
+    values = env if isinstance(env, dict) else {e["name"]: e.get("value") for e in env}
+    default = re.search(r"BATCHSTRING_DRAIN_SECONDS:-(\d+)", (DOCKER / "entrypoint.sh").read_text())[1]
+    return float(values.get("BATCHSTRING_DRAIN_SECONDS", default)) + STOP_BOUND + 2
+
+
+def test_compose_stop_grace_period_covers_the_drain():
+    triton = yaml.safe_load((DOCKER / "compose.yaml").read_text())["services"]["triton"]
+    grace = float(re.fullmatch(r"(\d+)s", triton["stop_grace_period"])[1])
+    assert grace >= grace_for_the_drain(triton["environment"])
 
 
 def test_kubernetes_pods_are_locked_down_and_can_be_drained():
@@ -172,9 +185,17 @@ def test_image_command_line_serves_the_model_behind_the_front_door(model_dir, tm
         sockets = tmp_path / "sockets"
         assert sockets.stat().st_mode & 0o777 == 0o700, "tritonserver's sockets are private to its user"
         assert {p.name for p in sockets.iterdir()} == {"http.sock", "grpc.sock:8001", "metrics.sock"}
-    finally:
+        processes = psutil.Process(proc.pid).children(recursive=True)
+        assert set(kinds(processes)) == {"front door", "tritonserver", "model"}
+        signalled = time.monotonic()
         proc.terminate()
-        assert proc.wait(timeout=60) == 0, "SIGTERM is a clean stop"
+        assert proc.wait(timeout=30) == 0, "SIGTERM is a clean stop"
+        took = time.monotonic() - signalled
+        assert took <= STOP_BOUND, f"an idle stop took {took:.1f} s"
+        assert gone_within(processes, GONE_BOUND) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_the_image_exits_when_a_process_dies_so_that_restart_policies_act(model_dir, tmp_path):
@@ -182,9 +203,34 @@ def test_the_image_exits_when_a_process_dies_so_that_restart_policies_act(model_
     try:
         with BatchClient(f"127.0.0.1:{grpc}") as client:
             wait_serving(client, proc)
-        triton = next(p for p in psutil.Process(proc.pid).children() if "tritonserver" in p.name())
-        triton.kill()  # a crash of the server takes the container down with a failure status
+        processes = kinds(psutil.Process(proc.pid).children(recursive=True))
+        processes["tritonserver"].kill()  # a crash of the server takes the container down with a failure status
         assert proc.wait(timeout=60) != 0
+        assert gone_within([processes["model"]], GONE_BOUND) == [], "the model process ends with its server"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_sigkill_of_the_image_command_line_leaves_no_process_and_frees_its_ports(model_dir, tmp_path):
+    """Outside a container nothing else would end its children (in one, the kernel ends the
+    container's processes with its PID 1): they die with it all the same."""
+    proc, _, grpc = image_command_line(model_dir, tmp_path)
+    try:
+        with BatchClient(f"127.0.0.1:{grpc}") as client:
+            wait_serving(client, proc)
+        processes = psutil.Process(proc.pid).children(recursive=True)
+        assert set(kinds(processes)) == {"front door", "tritonserver", "model"}
+        front_door = kinds(processes)["front door"].cmdline()
+        ports = [int(front_door[front_door.index(f"--{name}-port") + 1]) for name in ("http", "grpc", "metrics")]
+        proc.kill()
+        proc.wait()
+        left = gone_within(processes, GONE_BOUND)
+        assert left == [], f"still alive {GONE_BOUND:g} s after the entrypoint: {[p.cmdline()[:3] for p in left]}"
+        for port in ports:
+            with socket.socket() as s:  # as the next container binds it
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(("127.0.0.1", port))
     finally:
         if proc.poll() is None:
             proc.kill()

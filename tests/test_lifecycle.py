@@ -19,12 +19,10 @@ import psutil
 import pytest
 
 from batchstring.client import AsyncBatchClient, BatchClient
-from batchstring.server.local import STUB_NAME, LocalServer, free_ports
+from batchstring.server.local import LocalServer, free_ports
 from batchstring.server.stats import metrics
-from tests.conftest import BATCHSTRING, start_server
+from tests.conftest import BATCHSTRING, GONE_BOUND, STOP_BOUND, alive, gone_within, kinds, start_server
 
-STOP_BOUND = 3.0  # seconds from SIGTERM to exit, beyond the drain
-GONE_BOUND = 5.0  # seconds for every process of a killed parent to end
 MAX_TOKENS = 64
 
 
@@ -35,39 +33,6 @@ def serve(tmp_path: Path, *options: str) -> tuple[subprocess.Popen, list[int], s
                              *(f"--{name}-port={port}" for name, port in zip(("http", "grpc", "metrics"), ports)),
                              *options], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return proc, ports, proc.stdout.readline()
-
-
-def kinds(processes: list[psutil.Process]) -> dict[str, psutil.Process]:
-    """The server's processes by what they are: front door, tritonserver, model (the stub)."""
-    found = {}
-    for proc in processes:
-        command = " ".join(proc.cmdline())
-        if "batchstring.frontdoor" in command:
-            found["front door"] = proc
-        elif STUB_NAME in command:
-            found["model"] = proc
-        elif "tritonserver" in proc.name():
-            found["tritonserver"] = proc
-    return found
-
-
-def alive(processes) -> list[psutil.Process]:
-    result = []
-    for proc in processes:
-        try:
-            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
-                result.append(proc)
-        except psutil.NoSuchProcess:
-            continue
-    return result
-
-
-def gone_within(processes, seconds: float) -> list[psutil.Process]:
-    """The processes still alive after `seconds` (none, as soon as they are all gone)."""
-    deadline = time.monotonic() + seconds
-    while alive(processes) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return alive(processes)
 
 
 def stop(proc: subprocess.Popen) -> None:

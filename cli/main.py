@@ -30,6 +30,8 @@ COMMANDS = {
                   "the GPU acceptance run: export float16, numerics on the device, host time, serving"),
     "job-bench": ("batchstring.loadtest.job_bench", "add_arguments", "run",
                   "memory of `batchstring run --input` over files of growing length"),
+    "batch-bench": ("batchstring.loadtest.batch_bench", "add_arguments", "run",
+                    "interactive latency and batch throughput, alone and with a Batch API batch running"),
     "soak": ("batchstring.loadtest.soak", "add_arguments", "run",
              "minutes of load with model kills and injected OOM; audits every item"),
     "engine-bench": ("batchstring.loadtest.engine_bench", "add_arguments", "run",

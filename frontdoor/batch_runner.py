@@ -2,9 +2,9 @@
 
 Each line is one request to Triton through the batchstring client, at the batch priority level,
 so that Triton's dynamic batcher serves interactive requests first (model config,
-`dynamic_batching.priority_levels`). All batches share one bound on lines in flight, the engine's
-running rows (`max_num_seqs`): enough to keep the engine full when nobody else calls, and no
-deeper a backlog ahead of interactive callers than one engine's worth.
+`dynamic_batching.priority_levels`). All batches share one bound on lines in flight
+(batch_share.py): the engine's rows while nobody else calls, a share of the interactive load
+while somebody does.
 
 Each answered line is recorded in the store as it completes; after a restart the runner resumes
 every unfinished batch and skips what is recorded, so each line is answered exactly once.
@@ -13,7 +13,6 @@ every unfinished batch and skips what is recorded, so each line is answered exac
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import re
 import time
@@ -21,13 +20,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import aiohttp
-
 from batchstring.client import AsyncBatchClient, Completion
 from batchstring.client import openai_format as fmt
-from batchstring.client.defaults import MODEL
 from batchstring.client.jobs import Item, Malformed, output_line
 from batchstring.client.protocol import BATCH
+from batchstring.frontdoor.batch_share import Admission
 from batchstring.frontdoor.batch_store import BatchStore
 from batchstring.frontdoor.openai_api import ApiError, OpenAIRoutes
 from batchstring.frontdoor.tenants import cache_salt
@@ -36,7 +33,6 @@ ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 WINDOW = re.compile(r"([1-9][0-9]*)([mh])")
 MAX_WINDOW_SECONDS = 7 * 24 * 3600
 SHOWN_ERRORS = 100  # malformed lines listed in the batch's `errors` (all of them are in the error file)
-DEFAULT_IN_FLIGHT = 64
 
 
 def window_seconds(window: object) -> int:
@@ -112,15 +108,15 @@ def validate(routes: OpenAIRoutes, endpoint: str, path: Path, max_lines: int) ->
 
 class BatchRunner:
     def __init__(self, store: BatchStore, client: AsyncBatchClient, routes: OpenAIRoutes,
-                 max_in_flight: int | None = None, triton_http: str | None = None) -> None:
+                 admission: Admission | None = None) -> None:
         self.store, self.client, self.routes = store, client, routes
-        self.max_in_flight, self.triton_http = max_in_flight, triton_http
-        self.slots: asyncio.Semaphore | None = None
+        self.admission = admission or Admission()
         self.tasks: dict[str, asyncio.Task] = {}
         self.cancels: dict[str, asyncio.Event] = {}
 
     async def start(self) -> None:
         """Resumes every batch a previous run left unfinished."""
+        await self.admission.start()
         for batch_id in self.store.unfinished():
             self.launch(batch_id)
 
@@ -129,6 +125,7 @@ class BatchRunner:
         for task in self.tasks.values():
             task.cancel()
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        await self.admission.close()
 
     def launch(self, batch_id: str) -> None:
         self.cancels[batch_id] = asyncio.Event()
@@ -191,7 +188,6 @@ class BatchRunner:
 
     async def _execute(self, row) -> None:
         """Runs the unanswered lines until all are answered, the batch is cancelled, or it expires."""
-        await self._size_slots()
         feeding = asyncio.create_task(self._feed(row))
         cancelled = asyncio.create_task(self.cancels[row["id"]].wait())
         expiry = asyncio.create_task(asyncio.sleep(max(0.0, row["expires_at"] - time.time())))
@@ -210,7 +206,7 @@ class BatchRunner:
                 if number in answered:
                     continue
                 line = parse_line(self.routes, row["endpoint"], number, raw)
-                await self.slots.acquire()
+                await self.admission.acquire()
                 task = asyncio.create_task(self._one(row, line))
                 pending.add(task)
                 task.add_done_callback(pending.discard)
@@ -229,27 +225,9 @@ class BatchRunner:
         except (TypeError, ValueError) as exc:  # refused before sending (text that is not UTF-8)
             result = exc
         finally:
-            self.slots.release()
+            self.admission.release()
         answer = json.dumps(_output(line, result, self.routes.model_name), ensure_ascii=False)
         self.store.record(row["id"], [(line.item.line, isinstance(result, Completion), answer)])
-
-    async def _size_slots(self) -> None:
-        if self.slots is None:
-            self.slots = asyncio.Semaphore(self.max_in_flight or await self._engine_rows())
-
-    async def _engine_rows(self) -> int:
-        """The engine's `max_num_seqs`, from the model's config in Triton."""
-        if not self.triton_http:
-            return DEFAULT_IN_FLIGHT
-        unix = self.triton_http.startswith("/")
-        base = "http://triton" if unix else f"http://{self.triton_http}"
-        connector = aiohttp.UnixConnector(path=self.triton_http) if unix else None
-        with contextlib.suppress(aiohttp.ClientError, TimeoutError, KeyError, ValueError):
-            async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=5)) as s, \
-                    s.get(f"{base}/v2/models/{MODEL}/config") as response:
-                config = await response.json()
-                return int(config["parameters"]["max_num_seqs"]["string_value"])
-        return DEFAULT_IN_FLIGHT
 
     def _finalize(self, row, final: str) -> None:
         """Writes the output file (answers) and the error file (failures, and lines the window left

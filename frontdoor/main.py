@@ -1,8 +1,12 @@
 """`python -m batchstring.frontdoor`: the front door process (HTTP, gRPC and metrics ports) for one tritonserver.
 
 It also watches the model: if `/v2/models/llm/ready` stays false (or Triton unreachable) for
-`--exit-when-unready` seconds, it exits with status 3, so that a container restart policy or a
+`--exit-when-unready` seconds after it was first ready, it exits with status 3, so that a container restart policy or a
 Kubernetes liveness probe acts (Docker restarts a container only when its process exits).
+
+On SIGTERM or SIGINT it drains (health.py `Drain`): readiness off and new requests refused with a
+retryable UNAVAILABLE at once, admitted requests finish within `--drain-seconds`, then its ports
+and every connection to Triton close, so that tritonserver, stopped next, finds nothing to wait for.
 """
 
 from __future__ import annotations
@@ -28,11 +32,13 @@ from batchstring.frontdoor.batch_share import Admission
 from batchstring.frontdoor.batch_store import BatchStore, StoreLimits, default_data_dir
 from batchstring.frontdoor.batches import BatchRoutes
 from batchstring.frontdoor.chat import ChatTemplate
+from batchstring.frontdoor.health import Drain
 from batchstring.frontdoor.http import Upstream, make_app, make_metrics_app
 from batchstring.frontdoor.limits import Limits
 from batchstring.frontdoor.openai_api import OpenAIRoutes
 
 UNREADY_EXIT = 3
+DRAIN_SECONDS = 5.0  # with the stop after it (<= 3 s), within `docker stop`'s default 10 s
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -72,8 +78,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     batches.add_argument("--batch-interactive-share", type=float, default=1.0,
                          help="while interactive requests run, batch lines in flight per interactive request "
                               "(default: %(default)s)")
+    p.add_argument("--drain-seconds", type=float, default=DRAIN_SECONDS,
+                   help="on SIGTERM, how long requests already admitted may run on (default: %(default)s)")
     p.add_argument("--exit-when-unready", type=float, default=0.0,
-                   help="exit (status 3) when the model stays unready this many seconds (0: never)")
+                   help="exit (status 3) when the model, once ready, stays unready this many seconds (0: never)")
     return p.parse_args(argv)
 
 
@@ -90,18 +98,19 @@ async def run(args: argparse.Namespace) -> int:
         client = AsyncBatchClient(args.triton_grpc, max_in_flight=4096, max_message_bytes=args.max_message_bytes)
         openai = OpenAIRoutes(client, args.served_model_name, ChatTemplate.find(args.model_dir, args.chat_template),
                               keys)
-    http_app = make_app(upstream, limits, openai, keys)
-    batches = None if openai is None else _batch_api(args, openai, keys)
+    drain = Drain()
+    http_app = make_app(upstream, limits, openai, keys, drain)
+    batches = None if openai is None else _batch_api(args, openai, keys, lambda: drain.pending)
     if batches is not None:
         batches.add_to(http_app)
     for app, port in ((http_app, args.http_port),
                       (make_metrics_app(Upstream(args.triton_metrics)), args.metrics_port)):
-        runner = web.AppRunner(app, access_log=None)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)  # drained by then
         await runner.setup()
         await web.TCPSite(runner, args.host, port).start()
         runners.append(runner)
     server, passthrough = await grpc_side.serve(args.host, args.grpc_port, args.triton_grpc, limits, credentials,
-                                                keys)
+                                                keys, drain)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -114,7 +123,13 @@ async def run(args: argparse.Namespace) -> int:
     watch = asyncio.create_task(_watch_readiness(upstream, args.exit_when_unready, stop))
     await stop.wait()
     watch.cancel()
-    await server.stop(grace=5)
+    started, admitted = time.monotonic(), drain.pending
+    print(f"frontdoor: draining: readiness off, new requests refused; {admitted} admitted requests get up to "
+          f"{args.drain_seconds:g} s", flush=True)
+    left = await drain.wait(args.drain_seconds)
+    print(f"frontdoor: drained in {time.monotonic() - started:.1f} s"
+          f"{f'; {left} requests cut at the deadline, their clients retry' if left else ''}", flush=True)
+    await server.stop(grace=0.5 if left else None)  # streams cut at the deadline send their UNAVAILABLE
     await passthrough.close()
     if batches is not None:
         await batches.runner.close()
@@ -140,13 +155,16 @@ def _batch_api(args: argparse.Namespace, openai: OpenAIRoutes, keys: ApiKeys,
 
 
 async def _watch_readiness(upstream: Upstream, limit: float, stop: asyncio.Event) -> bool:
-    """True (and `stop` set) when the model has been unready for `limit` seconds."""
+    """True (and `stop` set) when the model has been unready for `limit` seconds, counted once it
+    has been ready: a model still loading (minutes, for a large one) is the startup probe's affair."""
     if limit <= 0:
         await asyncio.Event().wait()
-    unready_since = None
+    unready_since, served = None, False
     while True:
         now = time.monotonic()
-        unready_since = None if await upstream.ready() else unready_since or now
+        ready = await upstream.ready()
+        served = served or ready
+        unready_since = None if ready or not served else unready_since or now
         if unready_since is not None and now - unready_since >= limit:
             print(f"frontdoor: the model has not been ready for {limit:g} s; exiting so that it is restarted",
                   file=sys.stderr, flush=True)

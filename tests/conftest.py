@@ -40,14 +40,20 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     survivors = descendants_after(GONE_BOUND)
     if not survivors:
         return
-    lines = [f"{len(survivors)} processes started by the tests are still alive:"]
+    lines = [f"{len(survivors)} processes started by the tests are still alive {GONE_BOUND:g} s after the "
+             "last test (killed now):"]
     for proc in survivors:
         with contextlib.suppress(psutil.Error):
             lines.append(f"  pid {proc.pid}: {' '.join(proc.cmdline())[:200]}")
             proc.kill()
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    for line in lines:
-        reporter.write_line(line, red=True) if reporter else print(line, file=sys.stderr)
+    if reporter is None:
+        print("\n".join(lines), file=sys.stderr)
+    else:
+        reporter.write("\n")
+        reporter.write_sep("=", "processes left behind", red=True)
+        for line in lines:
+            reporter.write_line(line, red=True)
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 

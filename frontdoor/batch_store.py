@@ -63,8 +63,14 @@ class StoreLimits:
     min_free_bytes: int = 1024 * MB
 
 
+DATA_DIR_ENV = "BATCHSTRING_DATA_DIR"
+
+
 def default_data_dir() -> Path:
-    """The user's state directory (XDG), as other per-user services keep theirs."""
+    """BATCHSTRING_DATA_DIR (the image's volume), else the user's state directory (XDG), as other
+    per-user services keep theirs."""
+    if os.environ.get(DATA_DIR_ENV):
+        return Path(os.environ[DATA_DIR_ENV])
     state = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
     return Path(state) / "batchstring"
 
@@ -77,12 +83,16 @@ class BatchStore:
     def __init__(self, data_dir: Path, limits: StoreLimits | None = None) -> None:
         self.limits = limits or StoreLimits()
         self.files_dir = data_dir / "files"
-        self.files_dir.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(data_dir / "batchstring.db", isolation_level=None, check_same_thread=False)
+        try:
+            self.files_dir.mkdir(parents=True, exist_ok=True)
+            self.db = sqlite3.connect(data_dir / "batchstring.db", isolation_level=None, check_same_thread=False)
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA synchronous=NORMAL")
+            self.db.executescript(SCHEMA)
+        except (OSError, sqlite3.Error) as exc:
+            raise SystemExit(f"the Batch API cannot keep its data in {data_dir} ({exc}): give a writable directory "
+                             f"(--data-dir, or {DATA_DIR_ENV}), or turn the OpenAI API off (--no-openai)") from None
         self.db.row_factory = sqlite3.Row
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=NORMAL")
-        self.db.executescript(SCHEMA)
         self._sweep()
 
     def close(self) -> None:

@@ -31,6 +31,7 @@ KEY_A, KEY_B = "sk-batch-a-0123456789", "sk-batch-b-0123456789"
 MAX_FILE_BYTES = 400_000
 HITS = "batchstring_prefix_cache_hits_total"
 ENDED = ("completed", "failed", "cancelled", "expired")
+TEMPLATE = "{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}def answer():\n    return"
 
 
 # ----- without a server ----------------------------------------------------------------------
@@ -72,9 +73,12 @@ def keyed(request, model_dir, tmp_path_factory):
     previous = os.environ.get(ENV)
     os.environ[ENV] = f"{KEY_A},{KEY_B}"  # the front door reads its keys from its environment
     data_dir = tmp_path_factory.mktemp("batch-data")
+    template = tmp_path_factory.mktemp("chat") / "template.jinja"
+    template.write_text(TEMPLATE)
     try:
         yield start_server(request, "batches", config="cpu", data_dir=data_dir,
-                           front_door_options=("--batch-max-file-bytes", str(MAX_FILE_BYTES)))
+                           front_door_options=("--batch-max-file-bytes", str(MAX_FILE_BYTES),
+                                               "--chat-template", str(template)))
     finally:
         if previous is None:
             os.environ.pop(ENV, None)
@@ -136,6 +140,25 @@ def test_a_batch_runs_to_completed_and_each_line_equals_batchstring(keyed):
         assert body["choices"][0]["text"] == expected[int(line["custom_id"])]
         assert body["usage"]["completion_tokens"] == 12
     assert sdk.files.retrieve(done.output_file_id).purpose == "batch_output"
+
+
+def test_a_chat_batch_answers_in_the_chat_completion_shape(keyed):
+    sdk = _sdk(keyed)
+    questions = ["Add two numbers.", "Reverse a list."]
+    lines = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "llm", "messages": [{"role": "user", "content": q}], "max_tokens": 8,
+                       "temperature": 0}} for i, q in enumerate(questions)]
+    uploaded = sdk.files.create(file=("chat.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()),
+                                purpose="batch")
+    batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    done = _wait(sdk, batch.id)
+    assert done.status == "completed"
+    with BatchClient(keyed.grpc_url, api_key=KEY_A) as client:
+        expected = client.batchstring([f"# user: {q}\ndef answer():\n    return" for q in questions], max_tokens=8)
+    for line in _output(sdk, done.output_file_id):
+        body = line["response"]["body"]
+        assert body["object"] == "chat.completion"
+        assert body["choices"][0]["message"] == {"role": "assistant", "content": expected[int(line["custom_id"][1])]}
 
 
 def test_the_same_prompt_hits_the_prefix_cache_under_one_key_only(keyed):

@@ -1,27 +1,37 @@
-"""`batchstring gpu-check` (`make gpu-check`): the GPU acceptance run, one command, a few minutes.
+"""`batchstring gpu-check`: the device check, one command from a plain checkout.
 
-Nothing in this repository had run on a GPU before the first machine with one ran this. It
-checks, in order, and writes a report (results/gpu-check/report.md, for BENCHMARKS.md):
+Tier 1 (the default) needs only a GPU and the checkout: torch, transformers, tokenizers,
+safetensors and numpy, no package index, no tritonserver, no ONNX Runtime (`python3 -m
+batchstring.cli gpu-check`, within `BUDGET_SECONDS`). Stage by stage, each under its own time
+limit and each written to results/gpu-check/report.md and report.json as soon as it ends:
 
-1. environment: the GPU (nvidia-smi), torch's CUDA, onnxruntime's CUDA provider (installs
-   onnxruntime-gpu into the environment if it is missing);
-2. export: the default model in float16 (the GPU default) into a scratch repository;
-3. numerics on the device: ONNX Runtime (CUDA) and TorchScript (CUDA) greedy tokens against the
-   Hugging Face model run in float16 on the same GPU, agreement measured per runtime;
-4. host time per step on the device (the engine's Python next to the runner), batch 1 and 64;
-5. serving: tritonserver with the GPU config (KIND_GPU, `kv_cache_tokens: auto`), 64 strings
-   through the client equal to the in-process engine's, and served output tokens/s at 64 callers.
+1. environment: the device, its memory, the versions;
+2. a synthetic Llama-3.2-1B-shaped checkpoint, built here (export/synthetic.py);
+3. for the shipped model and the synthetic one, in float16 and bfloat16: the TorchScript step
+   traced on the CPU (as `batchstring export` does), loaded onto the device, its logits and new
+   keys/values checked against HF eager on the same device (the float32 truth, with HF's own
+   16-bit forward as the yardstick: the export's tolerance rule), and greedy agreement with HF
+   `generate` in the same dtype (measured; 16-bit rounding flips near-ties);
+4. for each model, the in-process engine on the device with `kv_cache_tokens: auto` (its
+   start-up line reported): output tokens/s at batch 1, 16, 64 and 256, the device time per step
+   from CUDA events next to the host time, HF `generate` on the same prompts as the side-by-side
+   reference, and one long-context row among short ones.
 
-`--dry-run` checks what can be checked without a GPU (the plan, the repository, the GPU config,
-tritonserver) and prints the plan; `make test` runs it.
+`--device cpu --quick` runs the same stages on the CPU with tiny shapes and few tokens (`make
+test` runs it). Tier 2, `--full`, adds what needs a GPU host with an index and `make install`:
+ONNX Runtime's CUDA provider (the `gpu` extra), the ONNX step on the device, and tritonserver
+serving the GPU config. Exit status: 0 all passed, 1 a check failed, 2 no GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib.util
 import json
+import platform
 import shutil
-import subprocess
+import signal
 import sys
 import tempfile
 import time
@@ -32,49 +42,344 @@ from pathlib import Path
 
 from batchstring.export.layout import DEFAULT_MODEL_DIR, MODEL_VERSION_DIR, REPO_ROOT
 
-ORT_GPU = "onnxruntime-gpu==1.32.0"
-PROMPTS = [f"def task_{i}(items):\n    " for i in range(64)]
-RUNTIMES = ("onnxruntime", "torchscript")
+BUDGET_SECONDS = 480  # tier 1: one command of at most 8 minutes (the acceptance machine allows 10)
+FULL_BUDGET_SECONDS = 1500
+SHIPPED = "shipped model"
+SYNTHETIC = "synthetic Llama-3.2-1B shape"
+DTYPES = ("float16", "bfloat16")
+
+
+class CheckFailed(RuntimeError):
+    """A check that ran and found the device path wrong."""
+
+
+class StageTimeout(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Scope:
+    """How much a run covers: the real shapes on a GPU, or tiny ones with few tokens (`--quick`)."""
+
+    device: str
+    quick: bool
+
+    @property
+    def synthetic_shape(self) -> str:
+        return "tiny-llama-3" if self.quick else "llama-3.2-1b"
+
+    @property
+    def cases(self) -> list[tuple[int, int]]:
+        from batchstring.export.verify import CASES
+
+        return [(1, 0), (3, 17)] if self.quick else CASES
+
+    @property
+    def greedy(self) -> tuple[tuple[str, ...], int]:
+        from batchstring.export.verify import GREEDY_PROMPTS, GREEDY_TOKENS
+
+        return (GREEDY_PROMPTS[:1], 8) if self.quick else (GREEDY_PROMPTS, GREEDY_TOKENS)
+
+    @property
+    def batches(self) -> tuple[int, ...]:
+        return (1, 4) if self.quick else (1, 16, 64, 256)
+
+    @property
+    def max_tokens(self) -> int:
+        return 8 if self.quick else 64
+
+    @property
+    def long_prompt(self) -> int:
+        return 200 if self.quick else 8192
+
+    def limit(self, seconds: int) -> int:
+        """A stage's time limit: the GPU figure, or a CPU one for the tiny shapes."""
+        return 60 if self.quick else seconds
 
 
 @dataclass
-class Check:
+class Stage:
     name: str
-    plan: str
+    limit: int  # seconds
     run: Callable[[dict], list[str]]  # context -> report lines
     status: str = "not run"
     lines: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
 
-def gpu_visible() -> str | None:
-    """The GPUs nvidia-smi lists, or None."""
-    if not shutil.which("nvidia-smi"):
-        return None
-    result = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
-    return result.stdout.strip() if result.returncode == 0 and result.stdout.strip() else None
-
-
-# ----- the checks ------------------------------------------------------------------------------
+# ----- stages -----------------------------------------------------------------------------------
 
 
 def environment(ctx: dict) -> list[str]:
+    import numpy
+    import torch
+    import transformers
+
+    device = ctx["scope"].device
+    lines = [f"Python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+             f"transformers {transformers.__version__}, numpy {numpy.__version__}"]
+    if device.startswith("cuda"):
+        free, total = torch.cuda.mem_get_info(torch.device(device))
+        lines.append(f"{device}: {torch.cuda.get_device_name(torch.device(device))}, "
+                     f"{total / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free")
+    else:
+        lines.append(f"device: cpu ({platform.processor() or platform.machine()})")
+    optional = {name: importlib.util.find_spec(name) is not None for name in ("onnxruntime", "tritonclient")}
+    lines.append("optional (tier 2): " + ", ".join(f"{k} {'present' if v else 'absent'}" for k, v in optional.items())
+                 + f"; tritonserver {'on PATH' if shutil.which('tritonserver') else 'absent'}")
+    return lines
+
+
+def synthetic_checkpoint(ctx: dict) -> list[str]:
     import torch
 
-    if not torch.cuda.is_available():
-        raise RuntimeError(f"torch {torch.__version__} has no CUDA here; install a CUDA build of torch")
+    from batchstring.export.synthetic import SHAPES, describe, random_checkpoint
+
+    config, tokenizer_vocab = SHAPES[ctx["scope"].synthetic_shape]
+    path = random_checkpoint(Path(ctx["scratch"]) / "synthetic", config(), dtype=torch.bfloat16,
+                             tokenizer_vocab=tokenizer_vocab)
+    ctx["models"][SYNTHETIC] = path
+    return [f"{ctx['scope'].synthetic_shape}: {describe(path)}, random weights, built here"]
+
+
+def step_on_device(model: str, dtype: str) -> Callable[[dict], list[str]]:
+    def run(ctx: dict) -> list[str]:
+        return export_and_verify(ctx, model, dtype)
+
+    return run
+
+
+def export_and_verify(ctx: dict, model: str, dtype: str) -> list[str]:
+    """The TorchScript step traced on the CPU, then checked on the device against HF there."""
+    import numpy as np
+    import torch
+
+    from batchstring.engine.tokenizer import TextCodec
+    from batchstring.export import artifacts
+    from batchstring.export.exporter import decoder_step, load_checkpoint, torchscript_step, write_model_files
+    from batchstring.export.verify import HF_16BIT, tolerance_failures, verify_greedy, verify_logits
+
+    scope, source = ctx["scope"], ctx["models"][model]
+    out = Path(ctx["scratch"]) / "exports" / f"{source.name}-{dtype}"
+    out.mkdir(parents=True)
+    began = time.monotonic()
+    hf_16bit = load_checkpoint(source, dtype)
+    step, eos = decoder_step(hf_16bit, source)
+    artifacts.write_torchscript(step, out / "model.pt")
+    write_model_files(step, hf_16bit, eos, source, out)
+    del step
+    pinned = artifacts.device_constants(out / "model.pt")
+    if pinned:
+        raise CheckFailed(f"the traced step names a device: {pinned[:3]}")
+    size = (out / "model.pt").stat().st_size / 2**20
+    lines = [f"traced on the CPU and saved in {time.monotonic() - began:.1f} s ({size:.0f} MiB); "
+             "no device constant in the saved code"]
+    ctx["exports"][(model, dtype)] = out
+    device = scope.device
+    truth = load_checkpoint(source, "float32").to(device)
+    hf_16bit = hf_16bit.to(device)
+    runtimes = {"torchscript": torchscript_step(out / "model.pt", getattr(torch, dtype), device)}
+    cases = verify_logits(truth, runtimes, eos, relative=True, hf_16bit=hf_16bit, cases=scope.cases)
+    del truth
+    prompts, tokens = scope.greedy
+    codec = TextCodec.from_file(out / "tokenizer.json")
+    greedy = verify_greedy(hf_16bit, codec.encode, eos, runtimes, np.float32, prompts, tokens)
+    del hf_16bit, runtimes
+    _free_device(device)
+    worst = max(cases, key=lambda c: c.max_diff["torchscript"] / max(c.max_diff[HF_16BIT], 1e-12))
+    same = sum(ok["torchscript"] for ok in greedy.values())
+    lines += [f"logits and new K/V on {device}, max |Δ|/max(1,|truth|) vs HF float32 on {device}: "
+              + ", ".join(f"{c.batch} rows past {c.past}: {c.max_diff['torchscript']:.1e} "
+                          f"(HF {dtype} {c.max_diff[HF_16BIT]:.1e})" for c in cases),
+              f"worst against the rule (2 x HF's own {dtype} error, at least the {dtype} floor): "
+              f"{worst.batch} rows, past {worst.past}",
+              f"greedy {tokens} tokens identical to HF generate in {dtype} on {device}: {same}/{len(greedy)} prompts "
+              "(measured, not required: 16-bit rounding flips near-ties)"]
+    failures = tolerance_failures(cases, dtype)
+    if failures:
+        raise CheckFailed("; ".join(failures[:4]))
+    return lines
+
+
+def _free_device(device: str) -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+class TimedRunner:
+    """The engine's runner, with each step's wall time and, on CUDA, its device time (CUDA events)."""
+
+    def __init__(self, runner, cuda: bool) -> None:
+        self.runner, self.cuda = runner, cuda
+        self.wall, self.events = 0.0, []
+
+    def __getattr__(self, name: str):
+        return getattr(self.runner, name)
+
+    def reset(self) -> None:
+        self.wall, self.events = 0.0, []
+
+    def step(self, batch):
+        import torch
+
+        start = end = None
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        began = time.perf_counter()
+        out = self.runner.step(batch)
+        self.wall += time.perf_counter() - began
+        if self.cuda:
+            end.record()
+            self.events.append((start, end))
+        return out
+
+    def device_seconds(self) -> float | None:
+        import torch
+
+        if not self.cuda:
+            return None
+        torch.cuda.synchronize()
+        return sum(start.elapsed_time(end) for start, end in self.events) / 1e3
+
+
+def engine_on_device(model: str, dtype: str) -> Callable[[dict], list[str]]:
+    def run(ctx: dict) -> list[str]:
+        return engine_check(ctx, model, dtype)
+
+    return run
+
+
+def _prompts(count: int) -> list[str]:
+    return [f"def task_{i}(items):\n    total = 0\n    for item in items:\n" for i in range(count)]
+
+
+def engine_check(ctx: dict, model: str, dtype: str) -> list[str]:
+    from batchstring.engine.config import AUTO, EngineConfig
+    from batchstring.engine.core import EngineCore
+    from batchstring.engine.memory import plan_cache
+    from batchstring.engine.runner import RuntimeSpec, build_runner
+
+    scope = ctx["scope"]
+    model_dir = ctx["exports"].get((model, dtype))
+    if model_dir is None:
+        raise CheckFailed(f"the {dtype} export of the {model} did not succeed (see its stage)")
+    seqs = max(scope.batches)
+    config = EngineConfig(model_dir=model_dir, runtime="torchscript", device=scope.device, kv_cache_tokens=AUTO,
+                          max_num_seqs=seqs, max_waiting_seqs=seqs, max_num_batched_tokens=max(256, 16 * seqs),
+                          long_prefill_token_threshold=128 if scope.quick else 1024)
+    spec = RuntimeSpec.load(model_dir / "runtime.json")
+    plan = plan_cache(config, spec, model_dir)
+    if plan.tokens > seqs * spec.context_length:
+        raise CheckFailed(f"auto sized the cache past what {seqs} sequences can use: {plan.reason}")
+    lines = [f"kv_cache_tokens auto on {scope.device}: {plan.reason}"]
+    slots = -(-plan.tokens // config.block_size) * config.block_size
+    runner = TimedRunner(build_runner("torchscript", model_dir, spec, slots, scope.device, 0, plan.arena_bytes),
+                         scope.device.startswith("cuda"))
+    core = EngineCore(dataclasses.replace(config, kv_cache_tokens=plan.tokens), runner)
+    core.warm_up()
+    reference = HFReference(ctx["models"][model], dtype, scope.device)
+    lines += ["| batch | engine output tok/s | HF generate tok/s | engine / HF | steps | device ms/step (CUDA events) "
+              "| runner ms/step | host ms/step |", "|---|---|---|---|---|---|---|---|"]
+    for batch in scope.batches:
+        lines.append(_throughput_row(core, runner, reference, _prompts(batch), scope.max_tokens))
+    lines.append(_long_row(core, scope, spec.context_length))
+    del core, runner, reference
+    _free_device(scope.device)
+    return lines
+
+
+def _generate(core, prompts: list[str], max_tokens: int) -> list:
+    from batchstring.engine.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    seqs = [core.make_sequence(p, params, lambda out: None) for p in prompts]
+    core.generate(seqs)
+    short = [s for s in seqs if len(s.output_ids) != max_tokens]
+    if short:
+        raise CheckFailed(f"{len(short)} of {len(seqs)} sequences ended with fewer than {max_tokens} tokens")
+    return seqs
+
+
+def _throughput_row(core, runner: TimedRunner, reference: HFReference, prompts: list[str], max_tokens: int) -> str:
+    runner.reset()
+    steps = core.stats.steps
+    began = time.perf_counter()
+    _generate(core, prompts, max_tokens)
+    wall = time.perf_counter() - began
+    steps = core.stats.steps - steps
+    device = runner.device_seconds()
+    hf_seconds = reference.generate([core.codec.encode(p) for p in prompts], max_tokens)
+    tokens = len(prompts) * max_tokens
+    device_ms = f"{device / steps * 1e3:.2f}" if device is not None else "n/a (CPU)"
+    return (f"| {len(prompts)} | {tokens / wall:,.0f} | {tokens / hf_seconds:,.0f} | {hf_seconds / wall:.2f}x "
+            f"| {steps} | {device_ms} | {runner.wall / steps * 1e3:.2f} | {(wall - runner.wall) / steps * 1e3:.2f} |")
+
+
+def _long_row(core, scope: Scope, context: int) -> str:
+    """One prompt near the context (up to scope.long_prompt tokens) among short ones: every row
+    runs its full length, and the long row's greedy tokens are compared with its run alone."""
+    target = min(scope.long_prompt, context - scope.max_tokens - 8)
+    unit = "def handle(request):\n    return request.body\n"
+    long_prompt = unit
+    while len(core.codec.encode(long_prompt + unit)) <= target:
+        long_prompt += unit
+    mixed = _generate(core, [long_prompt, *_prompts(7)], scope.max_tokens)
+    alone = _generate(core, [long_prompt], scope.max_tokens)
+    same = mixed[0].output_ids == alone[0].output_ids
+    return (f"long-context row: a {len(mixed[0].prompt_ids)}-token prompt among 7 short ones, every row ran its "
+            f"{scope.max_tokens} tokens; its greedy tokens {'equal' if same else 'DIFFER from'} its run alone")
+
+
+class HFReference:
+    """HF `generate` on the same prompts and device, left-padded, greedy, full length: what a user
+    would write without a serving system (default attention implementation)."""
+
+    def __init__(self, source: Path, dtype: str, device: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch, self.device = torch, device
+        self.model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype)).to(device).eval()
+        eos = self.model.config.eos_token_id
+        self.pad = eos if isinstance(eos, int) else (eos or [0])[0]
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> float:
+        torch = self.torch
+        width = max(map(len, prompts))
+        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts], device=self.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        self._sync()
+        began = time.perf_counter()
+        with torch.no_grad():
+            self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens,
+                                min_new_tokens=max_tokens, do_sample=False, pad_token_id=self.pad)
+        self._sync()
+        return time.perf_counter() - began
+
+    def _sync(self) -> None:
+        if self.device.startswith("cuda"):
+            self.torch.cuda.synchronize()
+
+
+# ----- tier 2: ONNX Runtime on CUDA and serving (a GPU host with an index, after `make install`) --
+
+
+def onnxruntime_cuda(ctx: dict) -> list[str]:
     import onnxruntime as ort
 
     if "CUDAExecutionProvider" not in ort.get_available_providers():
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", ORT_GPU], check=True)
-        raise RuntimeError(f"installed {ORT_GPU} (onnxruntime had no CUDA provider): run `make gpu-check` again")
-    ctx["device"] = "cuda:0"
-    providers = ", ".join(ort.get_available_providers())
-    return [f"GPU: {ctx['gpus']}", f"torch {torch.__version__}, CUDA {torch.version.cuda}, "
-            f"{torch.cuda.get_device_name(0)}", f"onnxruntime {ort.__version__}: {providers}"]
+        raise CheckFailed(f"onnxruntime {ort.__version__} has no CUDA provider: `pip uninstall -y onnxruntime` "
+                          "then `pip install -e '.[dev,gpu]'` (both packages install the same module)")
+    return [f"onnxruntime {ort.__version__}: {', '.join(ort.get_available_providers())}"]
 
 
-def export_float16(ctx: dict) -> list[str]:
+def onnx_export(ctx: dict) -> list[str]:
     from batchstring.export.exporter import export_model
 
     repository = Path(ctx["scratch"]) / "repository"
@@ -84,168 +389,147 @@ def export_float16(ctx: dict) -> list[str]:
     for name in ("model.py", "responder.py", "metrics.py"):
         shutil.copy(MODEL_VERSION_DIR / name, version / name)
     result = export_model(DEFAULT_MODEL_DIR, version, dtype="float16")
-    ctx["repository"], ctx["model_dir"] = repository, version
-    return [f"float16 export in {result.seconds:.0f} s; max |Δ| vs HF (CPU runtimes): "
-            + ", ".join(f"{k} {v:.1e}" for k, v in result.max_diff.items())]
+    ctx["repository"] = repository
+    return [f"float16 export (ONNX and TorchScript) in {result.seconds:.0f} s, verified on the CPU"]
 
 
-def device_numerics(ctx: dict) -> list[str]:
-    import torch
-    from transformers import AutoModelForCausalLM
-
+def onnx_on_device(ctx: dict) -> list[str]:
+    """ONNX Runtime (CUDA) against TorchScript on the same device: the same greedy tokens."""
     from batchstring.engine.config import EngineConfig
     from batchstring.engine.core import EngineCore
-    from batchstring.engine.sampling import SamplingParams
 
-    hf = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float16).to(ctx["device"]).eval()
-    lines = []
-    for runtime in RUNTIMES:
-        engine = EngineCore(EngineConfig(model_dir=ctx["model_dir"], runtime=runtime, device=ctx["device"]))
-        same = 0
-        for prompt in PROMPTS[:16]:
-            ids = engine.codec.encode(prompt)
-            with torch.no_grad():
-                ref = hf.generate(torch.tensor([ids], device=ctx["device"]), max_new_tokens=32, min_new_tokens=32,
-                                  do_sample=False)[0, len(ids):].tolist()
-            seq = engine.make_sequence(prompt, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True),
-                                       lambda out: None)
-            engine.generate([seq])
-            same += seq.output_ids == ref
-        lines.append(f"{runtime} on {ctx['device']}, float16: greedy identical to HF float16 for {same}/16 prompts")
-    return lines
-
-
-def host_time(ctx: dict) -> list[str]:
-    from batchstring.loadtest.host_overhead import measure
-
-    lines = ["| runtime | sampling | batch | runner ms/step | host ms/step | host share |", "|---|---|---|---|---|---|"]
-    for runtime in RUNTIMES:
-        for mode in ("greedy", "top_p 0.95"):
-            for batch in (1, 64):
-                r = measure(ctx["model_dir"], mode, batch, repeats=3, runtime=runtime, device=ctx["device"])
-                lines.append(f"| {runtime} | {mode} | {batch} | {r.runner_ms:.2f} | {r.host_ms:.2f} | {r.share:.1%} |")
-    return lines
+    outputs = {}
+    for runtime in ("onnxruntime", "torchscript"):
+        core = EngineCore(EngineConfig(model_dir=ctx["repository"] / "llm" / "1", runtime=runtime,
+                                       device=ctx["scope"].device, kv_cache_tokens=0))
+        outputs[runtime] = [s.output_ids for s in _generate(core, _prompts(16), 32)]
+    same = sum(a == b for a, b in zip(*outputs.values()))
+    if same == 0:
+        raise CheckFailed("ONNX Runtime (CUDA) and TorchScript agree on no greedy completion")
+    return [f"greedy 32 tokens, ONNX Runtime (CUDA) vs TorchScript on {ctx['scope'].device}: {same}/16 identical"]
 
 
 def serving(ctx: dict) -> list[str]:
     import asyncio
 
     from batchstring.client import AsyncBatchClient, BatchClient
-    from batchstring.engine.config import EngineConfig
-    from batchstring.engine.core import EngineCore
-    from batchstring.engine.sampling import SamplingParams
     from batchstring.server.local import LocalServer
 
-    engine = EngineCore(EngineConfig(model_dir=ctx["model_dir"], device=ctx["device"]))
-    expected = []
-    for prompt in PROMPTS:
-        seq = engine.make_sequence(prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
-                                   lambda out: None)
-        engine.generate([seq])
-        expected.append(engine.codec.decode(seq.output_ids))
-    del engine
+    prompts = _prompts(64)
     with LocalServer(config="gpu", repository=ctx["repository"]) as server:
         with BatchClient(server.grpc_url) as client:
-            got = client.batchstring(PROMPTS, max_tokens=24, ignore_eos=True)
-        same = sum(a == b for a, b in zip(got, expected))
+            got = client.batchstring(prompts, max_tokens=24, ignore_eos=True)
 
         async def load() -> float:
             async with AsyncBatchClient(server.grpc_url) as aio:
                 began = time.perf_counter()
-                await asyncio.gather(*(aio.batchstring([p], max_tokens=128, ignore_eos=True) for p in PROMPTS * 4))
+                await asyncio.gather(*(aio.batchstring([p], max_tokens=128, ignore_eos=True) for p in prompts * 4))
                 return 256 * 128 / (time.perf_counter() - began)
 
         rate = asyncio.run(load())
-    if same < len(PROMPTS):
-        raise RuntimeError(f"served greedy output differs from the in-process engine for {len(PROMPTS) - same} "
-                           "of 64 strings")
-    return ["served (gpu config, kv_cache_tokens auto): 64/64 strings equal the in-process engine",
-            f"served, 64 callers x 4 strings, 128 tokens each: {rate:.0f} output tokens/s"]
+    if len(got) != len(prompts) or not all(got):
+        raise CheckFailed("the server did not answer every string")
+    return [f"served (gpu config, kv_cache_tokens auto): 64/64 strings answered; 64 callers x 4 strings, 128 tokens "
+            f"each: {rate:,.0f} output tokens/s"]
 
 
-CHECKS = [
-    Check("environment", "nvidia-smi, torch CUDA, onnxruntime CUDA provider", environment),
-    Check("export float16", "batchstring export --dtype float16 into a scratch repository", export_float16),
-    Check("numerics on the device", "greedy tokens, ONNX Runtime and TorchScript on CUDA vs HF float16",
-          device_numerics),
-    Check("host time on the device", "engine host ms vs runner ms per step, batch 1 and 64", host_time),
-    Check("serving", "tritonserver --config gpu (kv auto): correctness and output tokens/s at 64 callers", serving),
-]
+def stages(scope: Scope, full: bool) -> list[Stage]:
+    found = [Stage("environment", 30, environment),
+             Stage(f"build the {SYNTHETIC} checkpoint", scope.limit(120), synthetic_checkpoint)]
+    for model in (SHIPPED, SYNTHETIC):
+        for dtype in DTYPES:
+            found.append(Stage(f"{model}, {dtype}: TorchScript traced on the CPU, checked on {scope.device}",
+                               scope.limit(90 if model == SYNTHETIC else 45), step_on_device(model, dtype)))
+    found += [Stage(f"engine on {scope.device}: {SHIPPED}, float16", scope.limit(60),
+                    engine_on_device(SHIPPED, "float16")),
+              Stage(f"engine on {scope.device}: {SYNTHETIC}, bfloat16", scope.limit(120),
+                    engine_on_device(SYNTHETIC, "bfloat16"))]
+    if full:
+        found += [Stage("tier 2: onnxruntime CUDA provider", 30, onnxruntime_cuda),
+                  Stage("tier 2: export float16 (ONNX and TorchScript)", 300, onnx_export),
+                  Stage(f"tier 2: ONNX Runtime on {scope.device}", 120, onnx_on_device),
+                  Stage("tier 2: tritonserver, gpu config", 300, serving)]
+    return found
 
 
-# ----- running ---------------------------------------------------------------------------------
+# ----- running ----------------------------------------------------------------------------------
 
 
-def dry_run() -> int:
-    """What can be checked without a GPU: the plan, the exported model, the GPU config, tritonserver."""
-    from batchstring.export.layout import missing_artifacts
-    from batchstring.server.repository import load_config, parameters
-    from batchstring.server.triton import TritonInstall
+def _alarm(signum, frame) -> None:
+    raise StageTimeout("the stage ran past its time limit")
 
-    problems = []
-    missing = missing_artifacts(MODEL_VERSION_DIR)
-    if missing:
-        problems.append(f"the default model is not exported ({', '.join(missing)}): run `make export`")
-    config = load_config()
-    kinds = {g.kind for g in config.instance_group}
-    if kinds != {config.instance_group[0].KIND_GPU}:
-        problems.append("config.pbtxt does not place the model on a GPU")
-    if parameters(config).get("kv_cache_tokens") != "auto":
-        problems.append("config.pbtxt does not size the KV cache from memory (kv_cache_tokens: auto)")
+
+def run_stage(stage: Stage, ctx: dict, deadline: float) -> None:
+    """Runs one stage under min(its limit, what the whole check has left); never raises."""
+    limit = min(stage.limit, deadline - time.monotonic())
+    began = time.monotonic()
+    if deadline - began < 5:
+        stage.status, stage.lines = "FAIL", ["not run: the check's time budget is spent"]
+        return
+    signal.signal(signal.SIGALRM, _alarm)
+    signal.setitimer(signal.ITIMER_REAL, limit)
     try:
-        binary = TritonInstall.find().binary
-    except Exception as exc:  # reported, with the rest
-        problems.append(f"tritonserver not found ({exc})")
-        binary = None
-    print("batchstring gpu-check --dry-run: the plan")
-    for i, check in enumerate(CHECKS, 1):
-        print(f"  {i}. {check.name}: {check.plan}")
-    print(f"GPU here: {gpu_visible() or 'none'}; tritonserver: {binary}; report: results/gpu-check/report.md")
-    for problem in problems:
-        print(f"problem: {problem}", file=sys.stderr)
-    return 1 if problems else 0
+        stage.lines = stage.run(ctx)
+        stage.status = "pass"
+    except StageTimeout:
+        stage.status, stage.lines = "FAIL", [f"timed out after {limit:.0f} s (its limit)"]
+    except Exception as exc:  # recorded in the report; later stages that need it fail with their reason
+        stage.status = "FAIL"
+        stage.lines = [f"{type(exc).__name__}: {exc}"]
+        if not isinstance(exc, CheckFailed):
+            stage.lines += traceback.format_exc().splitlines()[-6:]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        stage.seconds = time.monotonic() - began
+
+
+def write_report(out: Path, scope: Scope, full: bool, done: list[Stage]) -> None:
+    """The whole report so far: rewritten after every stage, so a stop at any point leaves it."""
+    title = "tier 1 + tier 2 (--full)" if full else "tier 1"
+    parts = [f"## Device check (`batchstring gpu-check`), {time.strftime('%Y-%m-%d %H:%M')}, "
+             f"{scope.device}{' --quick' if scope.quick else ''}, {title}", ""]
+    for stage in done:
+        parts += [f"### {stage.name}: {stage.status} ({stage.seconds:.0f} s, limit {stage.limit} s)", "",
+                  *stage.lines, ""]
+    (out / "report.md").write_text("\n".join(parts))
+    (out / "report.json").write_text(json.dumps(
+        {"device": scope.device, "quick": scope.quick, "full": full,
+         "stages": [{"name": s.name, "status": s.status, "seconds": round(s.seconds, 1), "limit": s.limit,
+                     "lines": s.lines} for s in done]}, indent=2))
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.dry_run:
-        return dry_run()
-    gpus = gpu_visible()
-    if gpus is None:
-        print("batchstring gpu-check: no GPU visible here (nvidia-smi lists none). Run it on a machine with an "
-              "NVIDIA GPU, or `batchstring gpu-check --dry-run` to check the plan.", file=sys.stderr)
+    import torch
+
+    device = args.device or ("cuda:0" if torch.cuda.is_available() else None)
+    if device is None:
+        print("batchstring gpu-check: torch sees no GPU here. Run it on a machine with an NVIDIA GPU and a CUDA "
+              "build of torch, or `batchstring gpu-check --device cpu --quick` to run the check on the CPU.",
+              file=sys.stderr)
         return 2
+    scope = Scope(device, args.quick)
     out = args.out or REPO_ROOT / "results" / "gpu-check"
     out.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + (FULL_BUDGET_SECONDS if args.full else BUDGET_SECONDS)
+    done: list[Stage] = []
     with tempfile.TemporaryDirectory(prefix="batchstring-gpu-check-") as scratch:
-        ctx = {"gpus": gpus, "scratch": scratch}
-        for i, check in enumerate(CHECKS, 1):
-            print(f"[{i}/{len(CHECKS)}] {check.name}: {check.plan}...", flush=True)
-            began = time.monotonic()
-            try:
-                check.lines = check.run(ctx)
-                check.status = "pass"
-            except Exception as exc:  # recorded in the report; later checks that need it fail too
-                check.status = "FAIL"
-                check.lines = [f"{type(exc).__name__}: {exc}", *traceback.format_exc().splitlines()[-6:]]
-            check.seconds = time.monotonic() - began
-            print(f"    {check.status} in {check.seconds:.0f} s", flush=True)
-            for line in check.lines:
-                print(f"    {line}", flush=True)
-    report = render(gpus)
-    (out / "report.md").write_text(report)
-    (out / "report.json").write_text(json.dumps([{"name": c.name, "status": c.status, "seconds": c.seconds,
-                                                  "lines": c.lines} for c in CHECKS], indent=2))
+        ctx = {"scope": scope, "scratch": scratch, "models": {SHIPPED: DEFAULT_MODEL_DIR}, "exports": {}}
+        plan = stages(scope, args.full)
+        for i, stage in enumerate(plan, 1):
+            print(f"[{i}/{len(plan)}] {stage.name} (limit {stage.limit} s)...", flush=True)
+            run_stage(stage, ctx, deadline)
+            done.append(stage)
+            write_report(out, scope, args.full, done)
+            print(f"    {stage.status} in {stage.seconds:.0f} s", *(f"    {line}" for line in stage.lines),
+                  sep="\n", flush=True)
     print(f"\nreport: {out / 'report.md'}")
-    return 0 if all(c.status == "pass" for c in CHECKS) else 1
-
-
-def render(gpus: str) -> str:
-    parts = [f"## GPU acceptance run (`make gpu-check`), {time.strftime('%Y-%m-%d')}", "", f"GPU: {gpus}", ""]
-    for check in CHECKS:
-        parts += [f"### {check.name}: {check.status} ({check.seconds:.0f} s)", "", *check.lines, ""]
-    return "\n".join(parts)
+    return 0 if all(s.status == "pass" for s in done) else 1
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dry-run", action="store_true", help="check the plan and what needs no GPU; print the plan")
+    p.add_argument("--device", help="cuda:N or cpu (default: cuda:0 where torch sees a GPU)")
+    p.add_argument("--quick", action="store_true", help="tiny shapes and few tokens (the CPU run in make test)")
+    p.add_argument("--full", action="store_true",
+                   help="tier 2 too: ONNX Runtime's CUDA provider and tritonserver (needs `make install` and the "
+                        "gpu extra)")
     p.add_argument("--out", type=Path, help="report folder (default: results/gpu-check)")

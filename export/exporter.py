@@ -1,4 +1,8 @@
-"""`batchstring export`: HF checkpoint -> verified ONNX + TorchScript step in the model repository."""
+"""`batchstring export`: HF checkpoint -> verified ONNX + TorchScript step in the model repository.
+
+rich (the tables) is imported where it is used: the GPU check imports this module on machines
+that have only torch, transformers, tokenizers, safetensors and numpy.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +12,27 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from rich.console import Console
-from rich.table import Table
 
 from batchstring.engine.tokenizer import TextCodec
 from batchstring.export import artifacts
 from batchstring.export.layout import DEFAULT_MODEL_DIR, MODEL_VERSION_DIR
 from batchstring.export.step import DecoderStep, check_supported
-from batchstring.export.verify import HF_16BIT, TOLERANCE, StepFn, VerificationError, verify_greedy, verify_logits
+from batchstring.export.verify import (
+    HF_16BIT,
+    TOLERANCE,
+    StepFn,
+    VerificationError,
+    limit,
+    tolerance_failures,
+    verify_greedy,
+    verify_logits,
+)
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 @dataclass
@@ -77,13 +92,12 @@ def sampling_defaults(hf_model) -> dict:
     return {k: v for k, v in values.items() if v is not None}
 
 
-def _torch_in(feeds: dict, dtype: torch.dtype) -> list[torch.Tensor]:
-    return [torch.from_numpy(feeds[n]).to(dtype) if n in CACHES else torch.from_numpy(feeds[n])
-            for n in artifacts.INPUT_NAMES]
+def _torch_in(feeds: dict, dtype: torch.dtype, device: str = "cpu") -> list[torch.Tensor]:
+    return [torch.from_numpy(feeds[n]).to(device, dtype if n in CACHES else None) for n in artifacts.INPUT_NAMES]
 
 
 def _numpy_out(outputs) -> tuple:
-    return tuple((t.float() if t.is_floating_point() else t).numpy() for t in outputs)
+    return tuple((t.float() if t.is_floating_point() else t).cpu().numpy() for t in outputs)
 
 
 def _eager(step: DecoderStep) -> StepFn:
@@ -106,13 +120,14 @@ def _onnx(path: Path, dtype: str) -> StepFn:
     return run
 
 
-def _torchscript(path: Path, dtype: torch.dtype) -> StepFn:
+def torchscript_step(path: Path, dtype: torch.dtype, device: str = "cpu") -> StepFn:
+    """The saved TorchScript step on `device`, taking and returning host arrays."""
     with artifacts.quiet():
-        module = torch.jit.load(str(path))
+        module = torch.jit.load(str(path), map_location=device)
 
     def run(**feeds):
         with torch.no_grad():
-            return _numpy_out(module(*_torch_in(feeds, dtype)))
+            return _numpy_out(module(*_torch_in(feeds, dtype, device)))
 
     return run
 
@@ -121,7 +136,7 @@ def _verified_runtimes(step: DecoderStep, scratch: Path, dtype: str, console: Co
     """What runs here, in `dtype`: the eager step and TorchScript always; ONNX Runtime's CPU
     provider where it has the kernels (float32, float16). A bfloat16 ONNX graph is checked
     structurally here and numerically by `make gpu-check`."""
-    runtimes = {"eager step": _eager(step), "torchscript": _torchscript(scratch / "model.pt", step.dtype)}
+    runtimes = {"eager step": _eager(step), "torchscript": torchscript_step(scratch / "model.pt", step.dtype)}
     try:
         if dtype == "bfloat16":
             raise NotImplementedError("no bfloat16 kernels in onnxruntime's CPU provider")
@@ -185,6 +200,8 @@ def export_model(
     dtype: str | None = None,
 ) -> ExportResult:
     """Exports, verifies in a scratch directory, and only then replaces the served files."""
+    from rich.console import Console
+
     console = console or Console()
     dtype = dtype or default_dtype()
     if dtype not in DTYPES:
@@ -194,20 +211,15 @@ def export_model(
     stages = Stages(console, 5)
     with stages.stage(f"load {source.name} in {dtype}"):
         hf_model = load_checkpoint(source, dtype)
-        codec = TextCodec.from_file(source / "tokenizer.json")
-        eos = eos_ids(hf_model)
-        step = DecoderStep(hf_model, eos, *codec.known_ids()).eval()
+        step, eos = decoder_step(hf_model, source)
     with tempfile.TemporaryDirectory(prefix="batchstring-export-") as tmp:
         scratch = Path(tmp)
         with stages.stage("trace and save ONNX (torch.export)"):
             artifacts.write_onnx(step, scratch / "model.onnx")
         with stages.stage("trace and save TorchScript"):
             artifacts.write_torchscript(step, scratch / "model.pt")
-        for name in TOKENIZER_FILES:  # the chat template and special tokens travel with the model
-            if (source / name).is_file():
-                shutil.copyfile(source / name, scratch / name)
-        spec = artifacts.runtime_spec(step, hf_model.config, eos, source.name, sampling_defaults(hf_model))
-        artifacts.write_runtime_spec(spec, scratch / "runtime.json")
+        write_model_files(step, hf_model, eos, source, scratch)
+        codec = TextCodec.from_file(source / "tokenizer.json")
         with stages.stage("load the runtimes"):
             runtimes = _verified_runtimes(step, scratch, dtype, console)
         with stages.stage(f"verify against the Hugging Face forward (float32 truth, {dtype} beside it)"):
@@ -228,6 +240,23 @@ def export_model(
     return ExportResult(out_dir, seconds, max_diff)
 
 
+def decoder_step(hf_model, source: Path) -> tuple[DecoderStep, list[int]]:
+    """The step over a loaded checkpoint, with its tokenizer's vocabulary and every EOS id."""
+    codec = TextCodec.from_file(source / "tokenizer.json")
+    eos = eos_ids(hf_model)
+    return DecoderStep(hf_model, eos, *codec.known_ids()).eval(), eos
+
+
+def write_model_files(step: DecoderStep, hf_model, eos: list[int], source: Path, out: Path) -> None:
+    """What the engine reads beside the step: runtime.json and the tokenizer's files (the chat
+    template and special tokens travel with the model)."""
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, out / name)
+    spec = artifacts.runtime_spec(step, hf_model.config, eos, source.name, sampling_defaults(hf_model))
+    artifacts.write_runtime_spec(spec, out / "runtime.json")
+
+
 def report(console: Console, cases, greedy: dict[str, dict[str, bool]], dtype: str = "float32") -> dict[str, float]:
     """Prints the verification tables; raises VerificationError past the tolerance.
 
@@ -237,13 +266,11 @@ def report(console: Console, cases, greedy: dict[str, dict[str, bool]], dtype: s
     most twice what HF itself is off in that case (or the dtype's floor), relative to
     max(1, |truth|). Rounding in 16 bits flips near-equal tokens, so greedy and sampled-id
     agreement with HF in the same dtype are measured and reported, not required."""
+    from rich.table import Table
+
     floor = TOLERANCE[dtype]
     exact = dtype == "float32"
     names = [n for n in cases[0].max_diff if n != HF_16BIT]
-
-    def limit(case) -> float:
-        return floor if exact else max(floor, 2 * case.max_diff[HF_16BIT])
-
     measure = "max |Δ|" if exact else "max |Δ|/max(1,|truth|)"
     rule = f"limit {floor:g}" if exact else f"limit: 2 x HF's own {dtype} error, at least {floor:g}"
     table = Table(title=f"{measure} vs the Hugging Face float32 forward (logits and new K/V; {rule}); "
@@ -252,7 +279,8 @@ def report(console: Console, cases, greedy: dict[str, dict[str, bool]], dtype: s
     for col in ("rows", "past", *columns, *(f"{n} ids" for n in names)):
         table.add_column(col, justify="right")
     for c in cases:
-        cells = [f"[{'red' if n != HF_16BIT and d > limit(c) else 'green'}]{d:.2e}[/]" for n, d in c.max_diff.items()]
+        cells = [f"[{'red' if n != HF_16BIT and d > limit(c, dtype) else 'green'}]{d:.2e}[/]"
+                 for n, d in c.max_diff.items()]
         ids = [f"{eq}/{n}" + (f" ({ties})" if ties else "") for n, eq, ties in c.sampled.values()]
         table.add_row(str(c.batch), str(c.past), *cells, *ids)
     console.print(table)
@@ -264,8 +292,7 @@ def report(console: Console, cases, greedy: dict[str, dict[str, bool]], dtype: s
         g.add_row(repr(prompt), *("[green]yes[/]" if v else "[red]NO[/]" for v in ok.values()))
     console.print(g)
     max_diff = {n: max(c.max_diff[n] for c in cases) for n in columns}
-    bad = [f"{n}: {measure} {c.max_diff[n]:.2e} at {c.batch} rows, past {c.past} (limit {limit(c):.2e})"
-           for c in cases for n in names if not c.max_diff[n] <= limit(c)]  # NaN fails too
+    bad = tolerance_failures(cases, dtype)
     for name in names:
         same = sum(ok[name] for ok in greedy.values())
         checked, equal, ties = (sum(c.sampled[name][i] for c in cases) for i in range(3))

@@ -91,7 +91,20 @@ def llama_3_2_1b_config():
                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
 
 
-SHAPES = {"llama-3.2-1b": (llama_3_2_1b_config, 128000)}  # shape, tokenizer size (Llama 3's, before its specials)
+def tiny_llama_3_config():
+    """Llama-3.2-1B's structure (grouped-query attention 4:1, tied embeddings, llama3 rotary
+    scaling, a padded vocabulary) at a size a CPU test runs in seconds: `gpu-check --quick`."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=1088, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                       num_attention_heads=8, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                       rope_theta=500000.0, tie_word_embeddings=True, rms_norm_eps=1e-5,
+                       rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 256})
+
+
+# shape, tokenizer size (Llama 3's, before its specials: the checkpoint's vocabulary is padded past it)
+SHAPES = {"llama-3.2-1b": (llama_3_2_1b_config, 128000), "tiny-llama-3": (tiny_llama_3_config, 1024)}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import tomllib
 from pathlib import Path
 
@@ -213,3 +214,29 @@ def test_one_onnx_runtime_package_at_a_time():
     extras = project["optional-dependencies"]
     assert extras["cpu"] == ["onnxruntime==1.32.0"] and extras["gpu"][0].startswith("onnxruntime-gpu==")
     assert "'.[dev,cpu]'" in (REPO_ROOT / "Makefile").read_text()
+
+
+# ----- the device check's own limits --------------------------------------------------------------
+
+
+def test_a_gpu_check_stage_ends_at_its_limit_and_the_report_holds_every_stage_so_far(tmp_path):
+    from batchstring.cli.gpu_check import CheckFailed, Scope, Stage, run_stage, write_report
+
+    def wrong(ctx: dict) -> list[str]:
+        raise CheckFailed("logits differ")
+
+    slow = Stage("slow", 1, lambda ctx: [str(time.sleep(30))])
+    failing, late = Stage("failing", 10, wrong), Stage("late", 10, lambda ctx: ["ran"])
+    began = time.monotonic()
+    run_stage(slow, {}, deadline=began + 60)
+    run_stage(failing, {}, deadline=began + 60)
+    run_stage(late, {}, deadline=time.monotonic() + 2)
+    assert time.monotonic() - began < 5, "a stage is stopped at its own limit"
+    assert (slow.status, slow.lines) == ("FAIL", ["timed out after 1 s (its limit)"])
+    assert (failing.status, failing.lines) == ("FAIL", ["CheckFailed: logits differ"])
+    assert late.lines == ["not run: the check's time budget is spent"]
+    write_report(tmp_path, Scope("cpu", True), False, [slow, failing, late])
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert [(s["name"], s["status"]) for s in report["stages"]] == [("slow", "FAIL"), ("failing", "FAIL"),
+                                                                    ("late", "FAIL")]
+    assert "### failing: FAIL" in (tmp_path / "report.md").read_text()

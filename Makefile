@@ -39,9 +39,11 @@ loadtest: $(EXPORTED)
 bench: $(EXPORTED)
 	$(BIN)/batchstring bench
 
-# On a machine with an NVIDIA GPU: the acceptance run (report in results/gpu-check/report.md).
-gpu-check: $(EXPORTED)
-	$(BIN)/batchstring gpu-check
+# On a machine with an NVIDIA GPU, from a plain checkout: torch, transformers, tokenizers, safetensors
+# and numpy, no install, no index (report in results/gpu-check/). Tier 2 (ONNX Runtime CUDA and
+# tritonserver) after `make install` with the gpu extra: .venv/bin/python -m batchstring.cli gpu-check --full
+gpu-check:
+	$(PYTHON) -m batchstring.cli gpu-check
 
 genai-perf: $(EXPORTED)
 	$(BIN)/batchstring genai-perf

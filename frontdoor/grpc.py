@@ -22,7 +22,7 @@ from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
 
 from batchstring.frontdoor.auth import ApiKeys
-from batchstring.frontdoor.health import Drain
+from batchstring.frontdoor.health import Drain, StreamRequests
 from batchstring.frontdoor.limits import Limits
 
 SERVICE = "/inference.GRPCInferenceService/"
@@ -74,7 +74,7 @@ class Passthrough(grpc.GenericRpcHandler):
                 async with writing:
                     await context.write(message)
 
-            async def admitted(counted) -> AsyncIterator[bytes]:
+            async def admitted(counted: StreamRequests) -> AsyncIterator[bytes]:
                 async for request in requests:
                     if self.drain.draining:
                         await write(_refusal(request))
@@ -82,11 +82,15 @@ class Passthrough(grpc.GenericRpcHandler):
                     counted.sent()
                     yield request
 
-            cut = asyncio.Event()
-            with self.drain.stream(cut.set) as counted:
+            cut = False
+
+            def cut_off() -> None:  # the drain deadline passed with requests of this stream unanswered
+                nonlocal cut
+                cut = True
+                upstream.cancel()
+
+            with self.drain.stream(cut_off) as counted:
                 upstream = call(admitted(counted), timeout=context.time_remaining())
-                ended = asyncio.ensure_future(cut.wait())
-                ended.add_done_callback(lambda _: upstream.cancel())
                 try:
                     async for response in upstream:
                         counted.answered(response)
@@ -94,12 +98,11 @@ class Passthrough(grpc.GenericRpcHandler):
                 except grpc.aio.AioRpcError as exc:
                     await context.abort(exc.code(), exc.details() or "")
                 except asyncio.CancelledError:
-                    if not cut.is_set():
+                    if not cut:
                         raise  # the client left
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE: the server stopped before "
                                         "these requests finished (drain deadline); send them again")
                 finally:
-                    ended.cancel()
                     upstream.cancel()  # the client left (or the stream ended): Triton's side ends too
 
         return handle

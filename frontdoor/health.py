@@ -43,7 +43,9 @@ class Drain:
 
     Requests are counted from admission to their last byte: an HTTP request or unary call while
     its handler runs, a request on a gRPC stream until Triton's final response to it (a stream
-    outlives its requests: our client keeps one open per call).
+    outlives its requests: our client keeps one open per call). A request whose last response
+    Triton sends without data and unmarked (a client that did not set
+    `triton_enable_empty_final_response`, as our client does) counts until the deadline.
     """
 
     MESSAGE = "UNAVAILABLE: the server is shutting down; send the request again (to another server)"

@@ -34,6 +34,8 @@ COMMANDS = {
                     "interactive latency and batch throughput, alone and with a Batch API batch running"),
     "soak": ("batchstring.loadtest.soak", "add_arguments", "run",
              "minutes of load with model kills and injected OOM; audits every item"),
+    "peer-bench": ("batchstring.loadtest.peer_bench", "add_arguments", "run",
+                   "ours beside llama.cpp's server and HF generate on the same weights, 1-64 callers"),
     "engine-bench": ("batchstring.loadtest.engine_bench", "add_arguments", "run",
                      "in-process engine: static vs continuous, and the runner ceiling"),
 }

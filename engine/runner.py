@@ -92,10 +92,17 @@ class PagedCacheRunner:
 
 
 def _ort_session(model_dir: Path, device: str, threads: int, arena_bytes: int = 0):
+    """Intra-op threads never spin: ONNX Runtime's default keeps its workers busy-waiting between
+    operators, which only pays on cores nobody else wants. The serving path shares them
+    (tritonserver, the front door, the responder), and a spinning worker that holds a core makes the
+    others — and the runtime's own next parallel operator — wait for the scheduler: measured side
+    by side on 2 busy cores, a batch-64 decode step took 96-103 ms spinning and 14-15 ms not
+    (batch 1: 1.9-2.3 ms vs 1.5-1.6 ms; BENCHMARKS.md)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if threads > 0:
         options.intra_op_num_threads = threads
     providers = ort_providers(device, ort.get_available_providers(), arena_bytes)

@@ -483,6 +483,17 @@ def run_stage(stage: Stage, ctx: dict, deadline: float) -> None:
         stage.seconds = time.monotonic() - began
 
 
+def _markdown(lines: list[str]) -> list[str]:
+    """A stage's lines as markdown: table rows kept together, every other line a list item."""
+    out: list[str] = []
+    for line in lines:
+        table = line.startswith("|")
+        if out and table != out[-1].startswith("|"):
+            out.append("")
+        out.append(line if table else f"- {line}")
+    return out
+
+
 def write_report(out: Path, scope: Scope, full: bool, done: list[Stage]) -> None:
     """The whole report so far: rewritten after every stage, so a stop at any point leaves it."""
     title = "tier 1 + tier 2 (--full)" if full else "tier 1"
@@ -490,7 +501,7 @@ def write_report(out: Path, scope: Scope, full: bool, done: list[Stage]) -> None
              f"{scope.device}{' --quick' if scope.quick else ''}, {title}", ""]
     for stage in done:
         parts += [f"### {stage.name}: {stage.status} ({stage.seconds:.0f} s, limit {stage.limit} s)", "",
-                  *stage.lines, ""]
+                  *_markdown(stage.lines), ""]
     (out / "report.md").write_text("\n".join(parts))
     (out / "report.json").write_text(json.dumps(
         {"device": scope.device, "quick": scope.quick, "full": full,

@@ -137,8 +137,13 @@ class AsyncBatchClient:
         return_exceptions: bool = False,
         priority: int | None = None,
         cache_salt: str | None = None,
+        **sampling,
     ) -> list[Completion | BaseException]:
         """Each input's `Completion` (text, finish reason, token counts, log-probabilities), in order.
+
+        `sampling` takes the rest of GenerationOptions: min_p, presence_penalty, frequency_penalty,
+        repetition_penalty, logit_bias, and one structured-output constraint (json_schema,
+        json_object, regex, choice, grammar) that every completion of the call will match.
 
         `timeout` bounds the whole call, retries included (default: the retry policy's deadline).
         `priority` is the Triton queue level (protocol.INTERACTIVE, the default, or protocol.BATCH,
@@ -150,8 +155,8 @@ class AsyncBatchClient:
         encoded = [encode_text(text) for text in inputs]  # InvalidArgument before anything is sent
         if not encoded:
             return []
-        options = GenerationOptions(max_tokens, temperature, top_p, top_k, seed,
-                                    tuple(stop) if stop is not None else None, ignore_eos, min_tokens, logprobs)
+        options = _options(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                           stop=stop, ignore_eos=ignore_eos, min_tokens=min_tokens, logprobs=logprobs, **sampling)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (timeout if timeout is not None else self.retry.deadline)
         streams = CallStreams()
@@ -194,9 +199,7 @@ class AsyncBatchClient:
         restart, a full queue) it is retried like a `batchstring` item.
         """
         text = encode_text(prompt)
-        if sampling.get("stop") is not None:
-            sampling["stop"] = tuple(sampling["stop"])
-        options = GenerationOptions(max_tokens=max_tokens, temperature=temperature, **sampling)
+        options = _options(max_tokens=max_tokens, temperature=temperature, **sampling)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (timeout if timeout is not None else self.retry.deadline)
         attempt, started = 0, False
@@ -320,6 +323,18 @@ class AsyncBatchClient:
                 with contextlib.suppress(OSError):  # keep the current list if DNS is down
                     self._refresh_endpoints()
                 last_discovery = asyncio.get_running_loop().time()
+
+
+def _options(**values) -> GenerationOptions:
+    """GenerationOptions from keyword arguments; an unknown one is the caller's mistake, said so."""
+    known = set(GenerationOptions.__dataclass_fields__)
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise InvalidArgument(f"unknown option(s) {', '.join(unknown)}; allowed: {', '.join(sorted(known))}")
+    for key in ("stop", "choice"):
+        if values.get(key) is not None and not isinstance(values[key], str):
+            values[key] = tuple(values[key])
+    return GenerationOptions(**values)
 
 
 def _raise_for(piece: Piece) -> None:

@@ -14,10 +14,22 @@ from batchstring.client.errors import BatchstringError, DeadlineExceeded, Invali
 from batchstring.client.protocol import Completion
 
 MAX_LOGPROBS = 20  # as the engine
+MAX_N = 16  # choices per prompt (/v1 routes only)
 UNSUPPORTED = {  # what the engine does not do: field -> the only value it may have (empty also passes)
-    "n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "suffix": None, "logit_bias": None,
-    "tools": None, "tool_choice": None, "functions": None, "response_format": None,
+    "n": 1, "best_of": 1, "suffix": None, "tools": None, "tool_choice": None, "functions": None,
+    "guided_whitespace_pattern": None, "structural_tag": None,
 }
+WHY = {"best_of": "best_of is not supported: it generates best_of sequences and returns the most likely; "
+                  "ask for n choices and pick among them yourself",
+       "n": "n is not supported here: a batch line or file job is one completion (n > 1 works on the "
+            "/v1/completions and /v1/chat/completions routes)"}
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "min_tokens", "ignore_eos", "min_p",
+                   "presence_penalty", "frequency_penalty", "repetition_penalty")
+# vLLM's structured_outputs keys and its older guided_* fields -> the engine's sampling_parameters key
+STRUCTURED = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+              "json_object": "json_object"}
+GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar"}
 
 
 class BodyError(ValueError):
@@ -33,12 +45,65 @@ def sampling_options(body: dict, chat: bool = False) -> dict:
     ranges. Raises BodyError for what the engine does not do or a field of the wrong shape."""
     for field, allowed in UNSUPPORTED.items():
         if body.get(field) not in (None, allowed, {}, []):
-            raise BodyError(field, f"{field} is not supported by this server (allowed: {allowed!r})")
+            raise BodyError(field, WHY.get(field, f"{field} is not supported by this server (allowed: {allowed!r})"))
     options = {"max_tokens": body.get("max_completion_tokens", body.get("max_tokens")) if chat
                else body.get("max_tokens"),
                "stop": _stop(body.get("stop")), "logprobs": _logprobs(body, chat),
-               **{k: body.get(k) for k in ("temperature", "top_p", "top_k", "seed", "min_tokens", "ignore_eos")}}
+               "logit_bias": _logit_bias(body.get("logit_bias")),
+               **{k: body.get(k) for k in SAMPLING_FIELDS}, **structured_output(body)}
     return {k: v for k, v in options.items() if v is not None}
+
+
+def choices_per_prompt(body: dict) -> int:
+    """`n`: how many completions of each prompt (they share the prompt's cached blocks)."""
+    n = body.get("n", 1)
+    if n is None:
+        return 1
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
+        raise BodyError("n", f"n must be an integer in [1, {MAX_N}]; got {n!r}")
+    return n
+
+
+def structured_output(body: dict) -> dict:
+    """The one output constraint a body asks for, from OpenAI's `response_format` or vLLM's
+    `structured_outputs` / `guided_*` fields, as the client's option; two at once are refused."""
+    found = {}  # field as the caller wrote it -> (option, value)
+    response_format = body.get("response_format")
+    if response_format is not None:
+        found.update(_response_format(response_format))
+    outputs = body.get("structured_outputs")
+    if outputs is not None:
+        if not isinstance(outputs, dict) or set(outputs) - set(STRUCTURED):
+            raise BodyError("structured_outputs", "structured_outputs must be an object with one of "
+                            f"{', '.join(STRUCTURED)}; got {outputs!r}"[:300])
+        found.update({f"structured_outputs.{k}": (STRUCTURED[k], v) for k, v in outputs.items() if v is not None})
+    found.update({k: (option, body[k]) for k, option in GUIDED.items() if body.get(k) is not None})
+    if len(found) > 1:
+        raise BodyError(next(iter(found)), f"ask for one output constraint at a time; got {', '.join(found)}")
+    return {option: value for option, value in found.values()}
+
+
+def _response_format(value) -> dict:
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"response_format": ("json_object", True)}
+    schema = (value.get("json_schema") or {}).get("schema") if kind == "json_schema" else None
+    if isinstance(schema, dict):
+        return {"response_format": ("json_schema", schema)}
+    raise BodyError("response_format", 'response_format must be {"type": "text"}, {"type": "json_object"} or '
+                    '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}; '
+                    f"got {value!r}"[:300])
+
+
+def _logit_bias(value) -> dict | None:
+    if value is None or value == {}:
+        return None
+    if not isinstance(value, dict):
+        raise BodyError("logit_bias", f'logit_bias must be an object of token ids to biases, as {{"50256": -100}}; '
+                                      f"got {value!r}"[:300])
+    return value
 
 
 def _stop(stop) -> list[str] | None:

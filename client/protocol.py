@@ -35,6 +35,17 @@ class GenerationOptions:
     ignore_eos: bool | None = None
     min_tokens: int | None = None
     logprobs: int | None = None  # top-n log-probabilities per generated token (0: the chosen token's only)
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict | None = None  # {token id: bias in [-100, 100]}
+    # Structured output, at most one: the text generated matches it (README, "Structured output").
+    json_schema: dict | str | None = None
+    json_object: bool | None = None  # any JSON object
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None  # Lark or GBNF
 
     def to_json(self) -> str | None:
         values = {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items() if v is not None}
@@ -60,7 +71,8 @@ class Completion:
     """One string's whole answer, with how it ended: what `AsyncBatchClient.complete` returns."""
 
     text: str
-    finish_reason: str  # "stop" (end of sequence or a stop string) or "length" (max_tokens)
+    finish_reason: str  # "stop" (end of sequence or a stop string) or "length" (max_tokens: a constrained
+    # completion that ends by length may not have completed its grammar)
     prompt_tokens: int
     completion_tokens: int
     logprobs: list[dict] | None = None

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchstring.engine.block_manager import BlockManager
+from batchstring.engine.grammar import fill_masks
+from batchstring.engine.sampling import SamplingParams
 from batchstring.engine.sequence import Sequence
 
 
@@ -28,7 +30,10 @@ class Work:
 class SamplingInputs:
     """Per-row sampling values of the step (export/sampler.py): `ban_rows` are the rows whose
     end-of-sequence ids are banned (min_tokens); `sample_rows` those that sample or want
-    log-probabilities, with their temperature, top_k, top_p and one uniform number each."""
+    log-probabilities, with their temperature, top_k, top_p, min_p and one uniform number each;
+    `mask_rows` the rows a grammar constrains, with their packed masks; `adjust_*` one entry per
+    (row, token) whose logit logit_bias or a penalty changes. Rows that use none of these cost
+    nothing: each input names only the rows that use it."""
 
     ban_rows: np.ndarray
     sample_rows: np.ndarray
@@ -36,6 +41,14 @@ class SamplingInputs:
     top_k: np.ndarray
     top_p: np.ndarray
     uniform: np.ndarray
+    min_p: np.ndarray
+    mask_rows: np.ndarray
+    token_mask: np.ndarray
+    adjust_rows: np.ndarray
+    adjust_tokens: np.ndarray
+    adjust_bias: np.ndarray
+    adjust_scale: np.ndarray
+    adjust_shift: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -142,7 +155,10 @@ def _prefill_group(prefill: list[Work], blocks: BlockManager, offset: int) -> _G
 
 
 _NO_SAMPLING = (np.zeros(0, np.int64), np.zeros(0, np.float32), np.zeros(0, np.int64), np.zeros(0, np.float32),
-                np.zeros(0, np.float32))
+                np.zeros(0, np.float32), np.zeros(0, np.float32))
+_NO_MASKS = (np.zeros(0, np.int64), np.zeros((0, 0), np.int32))
+_NO_ADJUSTMENTS = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float32), np.zeros(0, np.float32),
+                   np.zeros(0, np.float32))
 
 
 def sampling_inputs(seqs: list[Sequence], rng: np.random.Generator) -> SamplingInputs:
@@ -151,19 +167,60 @@ def sampling_inputs(seqs: list[Sequence], rng: np.random.Generator) -> SamplingI
     params = [s.params for s in seqs]
     ban = np.asarray([i for i, (s, p) in enumerate(zip(seqs, params))
                       if p.min_tokens and not p.ignore_eos and len(s.output_ids) < p.min_tokens], np.int64)
+    masks = _masks(seqs, params)
+    adjustments = _adjustments(seqs, params)
     chosen = [i for i, p in enumerate(params) if not p.greedy or p.logprobs is not None]
     if not chosen:
-        return SamplingInputs(ban, *_NO_SAMPLING)
+        return SamplingInputs(ban, *_NO_SAMPLING, *masks, *adjustments)
     picked = [params[i] for i in chosen]
     uniform = 1.0 - rng.random(len(chosen))  # (0, 1]
     for k, i in enumerate(chosen):
         if seqs[i].rng is not None:
             uniform[k] = 1.0 - seqs[i].rng.random()
     return SamplingInputs(
-        ban_rows=ban,
-        sample_rows=np.asarray(chosen, np.int64),
-        temperature=np.fromiter((p.temperature for p in picked), np.float32, len(picked)),
-        top_k=np.fromiter((max(p.top_k, 0) for p in picked), np.int64, len(picked)),
-        top_p=np.fromiter((p.top_p for p in picked), np.float32, len(picked)),
-        uniform=uniform.astype(np.float32),
+        ban,
+        np.asarray(chosen, np.int64),
+        np.fromiter((p.temperature for p in picked), np.float32, len(picked)),
+        np.fromiter((max(p.top_k, 0) for p in picked), np.int64, len(picked)),
+        np.fromiter((p.top_p for p in picked), np.float32, len(picked)),
+        uniform.astype(np.float32),
+        np.fromiter((p.min_p for p in picked), np.float32, len(picked)),
+        *masks,
+        *adjustments,
     )
+
+
+def _masks(seqs: list[Sequence], params: list[SamplingParams]) -> tuple[np.ndarray, np.ndarray]:
+    """The constrained rows and their grammars' masks (engine/grammar.py), all rows at once."""
+    rows = [i for i, p in enumerate(params) if p.guide is not None]
+    if not rows:
+        return _NO_MASKS
+    return np.asarray(rows, np.int64), fill_masks([seqs[i].output.constraint for i in rows])
+
+
+def _adjustments(seqs: list[Sequence], params: list[SamplingParams]) -> tuple[np.ndarray, ...]:
+    """(row, token) entries for logit_bias and the penalties, for the rows that ask for them.
+
+    vLLM's definitions: presence and frequency penalties count the generated tokens; the repetition
+    penalty applies to every token seen (prompt and generated). The host folds each row's
+    coefficients into per-entry values; the step scatters them onto the logits (export/sampler.py).
+    """
+    rows = [i for i, p in enumerate(params) if p.adjusts]
+    if not rows:
+        return _NO_ADJUSTMENTS
+    parts = [_row_adjustments(i, seqs[i], params[i]) for i in rows]
+    return tuple(np.concatenate(column) for column in zip(*parts))
+
+
+def _row_adjustments(row: int, seq: Sequence, p: SamplingParams) -> tuple[np.ndarray, ...]:
+    generated, counts = np.unique(np.asarray(seq.output_ids, np.int64), return_counts=True)
+    seen = np.unique(np.asarray(seq.all_ids, np.int64)) if p.repetition_penalty != 1.0 else generated
+    biased = np.fromiter((t for t, _ in p.logit_bias), np.int64, len(p.logit_bias))
+    tokens = np.union1d(np.union1d(seen, generated), biased)
+    count = np.zeros(len(tokens), np.float32)
+    count[np.searchsorted(tokens, generated)] = counts
+    bias = np.zeros(len(tokens), np.float32)
+    bias[np.searchsorted(tokens, biased)] = [b for _, b in p.logit_bias]
+    scale = np.where(np.isin(tokens, seen, assume_unique=True), p.repetition_penalty, 1.0).astype(np.float32)
+    shift = (p.frequency_penalty * count + p.presence_penalty * (count > 0)).astype(np.float32)
+    return np.full(len(tokens), row, np.int64), tokens, bias, scale, shift

@@ -18,6 +18,7 @@ from batchstring.engine.block_manager import BlockManager
 from batchstring.engine.config import EngineConfig
 from batchstring.engine.errors import EngineBroken, InvalidRequest
 from batchstring.engine.faults import with_faults
+from batchstring.engine.grammar import GrammarCompiler
 from batchstring.engine.isolation import IsolatedStep, Ran
 from batchstring.engine.memory import plan_cache
 from batchstring.engine.output import OutputSink, OutputStream, TokenLogprob
@@ -47,6 +48,7 @@ class EngineCore:
                                         config.device, config.threads)
         self.runner = with_faults(runner, config.fault_marker)
         self.isolation = IsolatedStep(self.runner, self.scheduler, self.stats, self.spec.eos_token_ids)
+        self.grammars = GrammarCompiler(model_dir / "tokenizer.json", self.spec.vocab_size, self.spec.eos_token_ids)
         self._ids = itertools.count()
 
     # ----- requests in -------------------------------------------------------------------------
@@ -69,9 +71,14 @@ class EngineCore:
             raise InvalidRequest(
                 f"prompt is {len(ids)} tokens and max_tokens is {params.max_tokens}; their sum must be at most "
                 f"{self.max_len} ({limit}); shorten the prompt or lower max_tokens")
+        if params.logit_bias and params.logit_bias[-1][0] >= self.spec.vocab_size:
+            raise InvalidRequest(f"sampling_parameters.logit_bias names token id {params.logit_bias[-1][0]}; "
+                                 f"the model's token ids are 0 to {self.spec.vocab_size - 1}")
         request_id = request_id or f"req-{next(self._ids)}"
         output = OutputStream(request_id, prompt, len(ids), sink, self.codec, params, stream=stream,
                               include_input=include_input)
+        if params.guide is not None:  # compiled here, on the caller's thread: never on the step's path
+            output.constraint = self.grammars.constraint(params.guide)
         return Sequence(request_id, ids, params, output, group=group, deadline=deadline)
 
     def add(self, seq: Sequence) -> None:
@@ -153,7 +160,8 @@ class EngineCore:
                 self._push_tokens(r, rows, finished)
             for seq, reason in finished.items():
                 if not seq.finished:
-                    self._finish(seq, reason, ended_by_eos=reason == "stop")
+                    error = seq.output.constraint.error if reason == "error" else None  # its grammar's dead end
+                    self._finish(seq, reason, error, ended_by_eos=reason == "stop")
         for seq, exc in failed:
             self.stats.failures_isolated += 1
             self._finish(seq, "error", error=f"model step failed for this request: {exc}")

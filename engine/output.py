@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from batchstring.engine.grammar import Constraint
 from batchstring.engine.sampling import SamplingParams
 from batchstring.engine.tokenizer import TextCodec
 
@@ -60,6 +61,7 @@ class OutputStream:
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.sent_logprobs = 0
         self.deferred: RequestOutput | None = None  # static batching: the final answer, sent with its batch
+        self.constraint: Constraint | None = None  # its grammar's state (engine/grammar.py), if it has one
 
     @property
     def per_token(self) -> bool:

@@ -222,7 +222,8 @@ class Scheduler:
     # ----- after a step ------------------------------------------------------------------------
 
     def update(self, work: list[Work], sampled: list[Sequence], tokens: np.ndarray) -> dict[Sequence, str]:
-        """Records a successful step; returns the sequences that ended, with why (stop / length).
+        """Records a successful step; returns the sequences that ended, with why (stop / length /
+        error: a constrained sequence whose grammar cannot take the token).
 
         A plain loop: per row it is a list append and two comparisons, cheaper than building
         arrays for them at any batch size the engine runs (measured; see BENCHMARKS.md).
@@ -240,7 +241,11 @@ class Scheduler:
             generated.append(token)
             if seq.padding:
                 continue
-            if token in eos and not seq.params.ignore_eos:
+            ends = token in eos and not seq.params.ignore_eos
+            if seq.params.guide is not None and not seq.output.constraint.advance(
+                    token, ends and len(generated) <= seq.params.min_tokens):
+                ended[seq] = "error"  # its grammar admits no token here (engine/grammar.py)
+            elif ends:
                 ended[seq] = "stop"
             elif len(generated) >= seq.params.max_tokens:  # admission checked it fits the context
                 ended[seq] = "length"

@@ -21,6 +21,8 @@ INPUT_NAMES = (
     "decode_tokens", "decode_slots", "decode_mask",
     "prefill_tokens", "prefill_slots", "prefill_mask", "token_order",
     "logit_tokens", "ban_rows", "sample_rows", "temperature", "top_k", "top_p", "uniform",
+    "min_p", "mask_rows", "token_mask",
+    "adjust_rows", "adjust_tokens", "adjust_bias", "adjust_scale", "adjust_shift",
     "key_cache", "value_cache",
 )
 OUTPUT_NAMES = ("next_tokens", "token_logprobs", "top_ids", "top_logprobs", "logits", "new_keys", "new_values")
@@ -29,7 +31,8 @@ OUTPUT_NAMES = ("next_tokens", "token_logprobs", "top_ids", "top_logprobs", "log
 def example_inputs(step: DecoderStep, slots: int = 23) -> tuple[torch.Tensor, ...]:
     """A step whose every dynamic axis has its own size > 1, so the exporter can neither specialise
     nor merge them: 6 decode rows over 10 past tokens; 2 prefill rows of 9 and 4 new tokens (padded
-    to 9) over 12 past; 19 tokens in all; 8 rows want a next token, 5 sample, 3 have EOS banned."""
+    to 9) over 12 past; 19 tokens in all; 8 rows want a next token, 5 sample, 3 have EOS banned,
+    4 follow a grammar, 7 logit adjustments."""
     cache = torch.zeros(len(step.layers), step.num_kv_heads, slots, step.head_dim, dtype=step.dtype)
     prefill = torch.tensor([list(range(6, 15)), [0] * 5 + [15, 16, 17, 18]])
     order = torch.tensor([*range(15), 20, 21, 22, 23])
@@ -39,14 +42,17 @@ def example_inputs(step: DecoderStep, slots: int = 23) -> tuple[torch.Tensor, ..
         prefill, torch.arange(24).reshape(2, 12) % slots, torch.ones(2, 21, dtype=torch.bool), order,
         torch.tensor([0, 1, 2, 3, 4, 5, 14, 18]), torch.tensor([1, 4, 7]), torch.tensor([0, 2, 3, 6, 7]),
         torch.tensor([0.5, 1.0, 0.0, 2.0, 0.7]), torch.tensor([0, 3, 0, 1, 0]), torch.tensor([1.0, 0.9, 1.0, 0.5, 1.0]),
-        torch.tensor([0.3, 0.7, 1.0, 0.1, 0.5]),
+        torch.tensor([0.3, 0.7, 1.0, 0.1, 0.5]), torch.tensor([0.0, 0.1, 0.0, 0.05, 0.0]),
+        torch.tensor([0, 2, 5, 7]), torch.full((4, -(-step.vocab_size // 32)), -1, dtype=torch.int32),
+        torch.tensor([0, 0, 2, 3, 5, 6, 7]), torch.tensor([1, 2, 3, 4, 5, 6, 7]), torch.full((7,), 0.5),
+        torch.full((7,), 1.2), torch.full((7,), 0.1),
         cache, cache.clone(),
     )
 
 
 def dynamic_shapes() -> dict[str, dict[int, Dim]]:
     tokens, rows, sampled, slots = Dim("tokens"), Dim("rows"), Dim("sampled_rows"), Dim("cache_slots")
-    banned = Dim("banned_rows")
+    banned, masked, adjusted = Dim("banned_rows"), Dim("masked_rows"), Dim("adjustments")
     decode, decode_past = Dim("decode_rows"), Dim("decode_past")
     prefill, prefill_new, prefill_past = Dim("prefill_rows"), Dim("prefill_new"), Dim("prefill_past")
     prefill_keys = Dim("prefill_keys")  # = prefill_past + prefill_new (Dim algebra cannot say so)
@@ -58,7 +64,9 @@ def dynamic_shapes() -> dict[str, dict[int, Dim]]:
         "prefill_mask": {0: prefill, 1: prefill_keys}, "token_order": {0: tokens},
         "logit_tokens": {0: rows}, "ban_rows": {0: banned},
         "sample_rows": {0: sampled}, "temperature": {0: sampled}, "top_k": {0: sampled}, "top_p": {0: sampled},
-        "uniform": {0: sampled},
+        "uniform": {0: sampled}, "min_p": {0: sampled},
+        "mask_rows": {0: masked}, "token_mask": {0: masked, 1: Dim("mask_words")},
+        **{name: {0: adjusted} for name in INPUT_NAMES if name.startswith("adjust_")},
         "key_cache": {2: slots}, "value_cache": {2: slots},
     }
 

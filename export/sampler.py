@@ -6,7 +6,14 @@ logits never leave the device and on a CPU the work runs in the runtime's thread
 
 The host names the rows whose end-of-sequence ids are banned (`min_tokens` not reached) and the
 rows that sample or want log-probabilities; for those it supplies temperature (0 = greedy), top_k
-(0 = off), top_p and one uniform number in (0, 1] drawn from the request's own generator.
+(0 = off), top_p, min_p (0 = off) and one uniform number in (0, 1] drawn from the request's own
+generator. Two sparse inputs change logits before any choice, for greedy and sampled rows alike,
+and cost nothing for rows they do not name:
+- adjustments, one entry per (row, token) that has one: `adjust_bias` is added (logit_bias), then
+  `adjust_scale` divides a positive logit and multiplies a negative one (repetition penalty, 1 =
+  none), then `adjust_shift` is subtracted (frequency * count + presence, folded by the host);
+- grammar masks: `token_mask` holds one packed bitmask per row of `mask_rows` (int32 words, bit
+  b of word w allows token 32 * w + b, llguidance's layout); tokens it does not allow get -inf.
 Everything else is per-row arithmetic, so a seeded request gets the same tokens whatever its
 batch-mates. Vocabulary-sized work beyond the argmax is done only for the rows that need it: a
 greedy row that asks for nothing costs one argmax.
@@ -25,6 +32,7 @@ Exactness (no full sort of the vocabulary anywhere):
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -46,6 +54,8 @@ class SamplingHead(nn.Module):
         self.register_buffer("rank", torch.arange(self.candidates)[None, :], persistent=False)
         # ids the tokenizer does not have, inside the vocabulary (those past its end are cut off)
         self.register_buffer("never_mask", _mask(vocab_size, never_ids) if never_ids else None, persistent=False)
+        bits = torch.tensor([1 << b for b in range(31)] + [-(1 << 31)], dtype=torch.int32)
+        self.register_buffer("bits", bits[None, None, :], persistent=False)  # bit b of an int32 word
 
     def forward(
         self,
@@ -56,9 +66,19 @@ class SamplingHead(nn.Module):
         top_k: torch.Tensor,  # [M] int64, 0 = off
         top_p: torch.Tensor,  # [M] float32 in (0, 1]
         uniform: torch.Tensor,  # [M] float32 in (0, 1]
+        min_p: torch.Tensor,  # [M] float32 in [0, 1], 0 = off
+        mask_rows: torch.Tensor,  # [G] rows (of R) constrained by a grammar
+        token_mask: torch.Tensor,  # [G, W] int32 packed bitmask, 32 * W >= V
+        adjust_rows: torch.Tensor,  # [E] row (of R) of each adjustment; (row, token) pairs unique
+        adjust_tokens: torch.Tensor,  # [E] int64
+        adjust_bias: torch.Tensor,  # [E] float32, added first
+        adjust_scale: torch.Tensor,  # [E] float32 > 0, then divides positive / multiplies negative logits
+        adjust_shift: torch.Tensor,  # [E] float32, then subtracted
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.never_mask is not None:
             logits = torch.where(self.never_mask[None, :], float("-inf"), logits)
+        logits = _adjust(logits, adjust_rows, adjust_tokens, adjust_bias, adjust_scale, adjust_shift)
+        logits = self._constrain(logits, mask_rows, token_mask)
         banned = torch.zeros_like(logits[:, 0], dtype=torch.bool).index_put(
             (ban_rows,), torch.ones_like(ban_rows, dtype=torch.bool))
         without_eos = torch.where(self.eos_mask[None, :], float("-inf"), logits[ban_rows])
@@ -70,11 +90,13 @@ class SamplingHead(nn.Module):
         candidates, candidate_ids = rows.topk(self.candidates, -1)  # sorted, most likely first
         scale = torch.where(temperature > 0, temperature, torch.ones_like(temperature))[:, None]
         top = candidates[:, :1]
-        full = torch.exp((rows - top) / scale)  # [M, V], the largest is 1
+        # min_p: a token less likely than min_p times the most likely one (after temperature) is out
+        below = (rows - top) / scale < torch.log(min_p)[:, None]
+        full = torch.exp((torch.where(below, float("-inf"), rows) - top) / scale)  # [M, V], the largest is 1
         full = nn.functional.pad(full, (0, self.blocks * BLOCK - self.vocab_size)).view(-1, self.blocks, BLOCK)
         block_mass = full.sum(-1)  # [M, blocks]
         by_vocab = _draw_two_level(full, block_mass, uniform)
-        weights = torch.exp((candidates - top) / scale)
+        weights = torch.exp((candidates - top) / scale) * ~below.gather(1, candidate_ids)
         keep = _top_k_top_p(weights, block_mass.sum(-1), top_k, top_p, self.rank)
         by_rank = candidate_ids.gather(1, _draw(weights * keep, uniform)[:, None])[:, 0]
         restricted = (top_k > 0) | (top_p < 1)
@@ -84,6 +106,32 @@ class SamplingHead(nn.Module):
         token_logprobs = rows.gather(1, sampled[:, None])[:, 0] - log_norm
         top_logprobs = candidates[:, : self.top_n] - log_norm[:, None]
         return tokens, token_logprobs, candidate_ids[:, : self.top_n], top_logprobs
+
+    def _constrain(self, logits: torch.Tensor, mask_rows: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
+        """-inf for every token a row's grammar does not allow now. The unpacked bits are padded
+        with a [G, V] block so that the slice to V columns needs no vocabulary size from the host."""
+        rows = logits[mask_rows]
+        bits = (token_mask[:, :, None] & self.bits) != 0  # [G, W, 32]
+        padding = torch.zeros_like(rows, dtype=torch.bool)
+        allowed = torch.cat((bits.flatten(1), padding), 1)[:, : rows.shape[1]]
+        return logits.index_put((mask_rows,), torch.where(allowed, rows, float("-inf")))
+
+
+def _adjust(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, bias: torch.Tensor,
+            scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """logit_bias, repetition, frequency and presence penalties, in vLLM's order, on the named entries."""
+    x = logits[rows, tokens] + bias
+    x = torch.where(x > 0, x / scale, x * scale) - shift
+    return logits.index_put((rows, tokens), x)
+
+
+def neutral_inputs(sampled: int) -> dict[str, np.ndarray]:
+    """The inputs that leave a step's choice as it was: no min_p, no grammar, no adjustments."""
+    empty = np.zeros(0, np.float32)
+    return {"min_p": np.zeros(sampled, np.float32), "mask_rows": np.zeros(0, np.int64),
+            "token_mask": np.zeros((0, 0), np.int32), "adjust_rows": np.zeros(0, np.int64),
+            "adjust_tokens": np.zeros(0, np.int64), "adjust_bias": empty, "adjust_scale": empty,
+            "adjust_shift": empty}
 
 
 def _mask(size: int, ids: list[int]) -> torch.Tensor:

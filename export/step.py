@@ -7,7 +7,8 @@ feeds only the tokens that are new. The step returns the next token of every row
 one (sampled inside the graph, see export/sampler.py) and the keys/values of the new tokens,
 which the engine writes back.
 
-Signature (L layers, H kv heads, D head dim, V vocabulary; T, Bd, Pd, Bp, Sp, Pp, R, M, N dynamic):
+Signature (L layers, H kv heads, D head dim, V vocabulary; T, Bd, Pd, Bp, Sp, Pp, R, M, G, W, E, N
+dynamic):
 
     input_ids       int64 [T]            the new tokens of every row, packed
     position_ids    int64 [T]            absolute position of each
@@ -25,6 +26,14 @@ Signature (L layers, H kv heads, D head dim, V vocabulary; T, Bd, Pd, Bp, Sp, Pp
     top_k           int64 [M]            0 = off
     top_p           f32   [M]
     uniform         f32   [M]            in (0, 1], from the request's own generator
+    min_p           f32   [M]            0 = off
+    mask_rows       int64 [G]            rows (of R) constrained by a grammar
+    token_mask      int32 [G, W]         their packed bitmasks of allowed tokens (32 * W >= V)
+    adjust_rows     int64 [E]            logit adjustments (logit_bias, penalties): row of each entry
+    adjust_tokens   int64 [E]            token of each entry
+    adjust_bias     f32   [E]            added
+    adjust_scale    f32   [E]            repetition penalty (1 = none)
+    adjust_shift    f32   [E]            subtracted (frequency * count + presence)
     key_cache       [L, H, N, D]         the engine's paged cache, N slots (read only), model dtype
     value_cache     [L, H, N, D]
     ->
@@ -143,6 +152,14 @@ class DecoderStep(nn.Module):
         top_k: torch.Tensor,
         top_p: torch.Tensor,
         uniform: torch.Tensor,
+        min_p: torch.Tensor,
+        mask_rows: torch.Tensor,
+        token_mask: torch.Tensor,
+        adjust_rows: torch.Tensor,
+        adjust_tokens: torch.Tensor,
+        adjust_bias: torch.Tensor,
+        adjust_scale: torch.Tensor,
+        adjust_shift: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
@@ -180,7 +197,9 @@ class DecoderStep(nn.Module):
         logits = self.lm_head(_rms_norm(self.norm, last))[0].float()
         if self.vocab_size < logits.shape[1]:
             logits = logits[:, : self.vocab_size]
-        sampled = self.sampler(logits, ban_rows, sample_rows, temperature, top_k, top_p, uniform)
+        sampled = self.sampler(logits, ban_rows, sample_rows, temperature, top_k, top_p, uniform, min_p,
+                               mask_rows, token_mask, adjust_rows, adjust_tokens, adjust_bias, adjust_scale,
+                               adjust_shift)
         return (*sampled, logits, torch.stack(new_keys), torch.stack(new_values))
 
     def _rotary(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from batchstring.export.sampler import CANDIDATES
+from batchstring.export.sampler import CANDIDATES, neutral_inputs
 
 HF_16BIT = "HF itself"  # the 16-bit HF forward, measured against the float32 truth as the runtimes are
 # float32: absolute max |Δ|. 16 bits: relative, |Δ| / max(1, |ref|): a few rounding steps
@@ -100,7 +100,7 @@ def pack(rows: list[Row], key_cache: np.ndarray, value_cache: np.ndarray) -> dic
         "temperature": np.array([x.temperature for x in s], np.float32),
         "top_k": np.array([x.top_k for x in s], np.int64),
         "top_p": np.array([x.top_p for x in s], np.float32),
-        "uniform": np.array([x.uniform for x in s], np.float32),
+        "uniform": np.array([x.uniform for x in s], np.float32), **neutral_inputs(len(s)),
         "key_cache": key_cache, "value_cache": value_cache,
     }
 

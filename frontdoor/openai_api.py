@@ -6,9 +6,15 @@ request to Triton through the batchstring client, over gRPC on Triton's private 
 dynamic batcher, queue policy and the engine see exactly what a `batchstring` call sends, and a
 list of prompts in one completion request *is* a `batchstring` call.
 
-What OpenAI's API has and the engine does not (n > 1, best_of, penalties, logit_bias, suffix,
-prompts as token ids) is refused with a 400 naming the field, never silently ignored; fields
-this API does not know are ignored, as OpenAI's own server does.
+What OpenAI's API has and the engine does not (best_of, suffix, tools, prompts as token ids) is
+refused with a 400 naming the field, never silently ignored; a field that changes what is
+generated is honoured or refused, never dropped (`response_format`, vLLM's `structured_outputs`
+and `guided_*` become the engine's structured-output constraint); fields this API does not know
+and that change nothing (`user`) are ignored, as OpenAI's own server does.
+
+`n` > 1 sends each prompt n times in one call: the copies reach the engine together, so the
+prefix cache computes the prompt once and the others reuse its blocks. Choice i * n + j is the
+j-th completion of prompt i, as OpenAI numbers them.
 """
 
 from __future__ import annotations
@@ -108,10 +114,15 @@ class OpenAIRoutes:
             raise ApiError(404, f"model {model!r} does not exist here; this server serves {self.model_name!r} "
                                 "(GET /v1/models)", "model", "model_not_found")
         try:
-            sampling = fmt.sampling_options(body, chat)
+            n = fmt.choices_per_prompt(body)
+            sampling = fmt.sampling_options({k: v for k, v in body.items() if k != "n"}, chat)
         except fmt.BodyError as exc:
             raise ApiError(400, str(exc), exc.field) from None
         prompts = [self._chat_prompt(body.get("messages"))] if chat else _prompts(body.get("prompt"))
+        if len(prompts) * n > MAX_PROMPTS:
+            raise ApiError(400, f"{len(prompts)} prompts x n = {n} is {len(prompts) * n} completions; at most "
+                                f"{MAX_PROMPTS} per request", "n")
+        prompts = [p for p in prompts for _ in range(n)]
         # OpenAI's defaults: 16 tokens for completions (chat: the model's), temperature 1
         options = {"max_tokens": None if chat else 16, "temperature": 1.0, **sampling,
                    "cache_salt": body.get("cache_salt")}

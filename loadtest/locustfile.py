@@ -7,9 +7,11 @@ to first token is also reported, as `ttft`.
 
 Two kinds of users share the load: `BatchstringUser` calls Triton's generate endpoints, one
 request per string; `OpenAIUser` sends each call as one `POST /v1/completions` whose prompt is the
-list (the OpenAI-compatible API; streamed as server-sent events with --stream). Run one kind
-only by naming it: `locust -f loadtest/locustfile.py OpenAIUser`. With API keys on the server,
-set BATCHSTRING_API_KEY.
+list (the OpenAI-compatible API; streamed as server-sent events with --stream);
+`StructuredUser` sends the same calls with a JSON schema (`response_format`, one of a few
+schemas) and fails a call whose finished completion does not parse. Run one kind only by naming
+it: `locust -f loadtest/locustfile.py OpenAIUser`. With API keys on the server, set
+BATCHSTRING_API_KEY.
 
 Transport: Triton's HTTP generate endpoints through Locust's own gevent-native client
 (FastHttpUser). The project's Python client speaks gRPC through asyncio (grpc.aio), which does
@@ -128,15 +130,21 @@ class BatchstringUser(_Caller):
 
 
 class OpenAIUser(_Caller):
+    name = "openai"
+
+    def body(self) -> dict:
+        return {}
+
     @task
     def completions(self) -> None:
         opts = self.environment.parsed_options
         prompts, max_tokens = self.next_call()
         size = len(prompts)
-        body = {"model": "llm", "prompt": prompts, "temperature": 0, "max_tokens": max_tokens, "stream": opts.stream}
+        body = {"model": "llm", "prompt": prompts, "temperature": 0, "max_tokens": max_tokens, "stream": opts.stream,
+                **self.body()}
         key = os.environ.get("BATCHSTRING_API_KEY")
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        with self.client.post("/v1/completions", name=f"openai[{size}]", json=body, headers=headers,
+        with self.client.post("/v1/completions", name=f"{self.name}[{size}]", json=body, headers=headers,
                               catch_response=True, stream=opts.stream) as response:
             if response.status_code != 200:
                 response.failure(f"HTTP {response.status_code}: {_error_message(response)}")
@@ -152,6 +160,36 @@ class OpenAIUser(_Caller):
                 choices = [c for e in events for c in e.get("choices", ()) if c.get("finish_reason")]
             if len(choices) != size:
                 response.failure(f"{len(choices)} completions for {size} prompts")
+            elif not opts.stream and not self.valid(choices):
+                response.failure("a finished completion does not match its schema")
+
+    def valid(self, choices: list[dict]) -> bool:
+        return True
+
+
+SCHEMAS = [  # small extraction shapes, as batch jobs use them
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                      "kind": {"enum": ["function", "class", "module"]}}, "required": ["name", "kind"]},
+    {"type": "object", "properties": {"lines": {"type": "integer", "minimum": 0, "maximum": 500},
+                                      "tags": {"type": "array", "items": {"type": "string", "maxLength": 8},
+                                               "maxItems": 3}}, "required": ["lines", "tags"]},
+]
+
+
+class StructuredUser(OpenAIUser):
+    """OpenAIUser's calls with a JSON schema: the structured-output load."""
+
+    name = "structured"
+
+    def body(self) -> dict:
+        schema = random.choice(SCHEMAS)
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "extract", "schema": schema}}}
+
+    def valid(self, choices: list[dict]) -> bool:
+        try:
+            return all(isinstance(json.loads(c["text"]), dict) for c in choices if c["finish_reason"] == "stop")
+        except ValueError:
+            return False
 
 
 def _error_message(response) -> str:

@@ -83,8 +83,10 @@ def test_errors_have_openai_shape_and_status(sdk, server):
         sdk.completions.create(model="llm", prompt="x", max_tokens=100_000)
     with pytest.raises(openai.BadRequestError, match=r"prompt\[1\]: .*text_input is empty"):
         sdk.completions.create(model="llm", prompt=["fine", ""], max_tokens=2)
-    with pytest.raises(openai.BadRequestError, match="n is not supported"):
-        sdk.completions.create(model="llm", prompt="x", max_tokens=2, n=2)
+    with pytest.raises(openai.BadRequestError, match="best_of is not supported"):
+        sdk.completions.create(model="llm", prompt="x", max_tokens=2, best_of=2)
+    with pytest.raises(openai.BadRequestError, match=r"n must be an integer in \[1, 16\]"):
+        sdk.completions.create(model="llm", prompt="x", max_tokens=2, n=17)
     with pytest.raises(openai.BadRequestError, match="no chat template"):
         sdk.chat.completions.create(model="llm", messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(openai.APIStatusError) as too_big:
@@ -178,8 +180,12 @@ BAD_BODIES = [  # (body, the field the error names, what it says)
     (json.dumps({"model": "llm", "prompt": "x", "stop": 5}).encode(), "stop", "string or a list"),
     (json.dumps({"model": "llm", "prompt": "x", "logprobs": 21}).encode(), "logprobs", "[0, 20]"),
     (json.dumps({"model": "llm", "prompt": "x", "stream": "yes"}).encode(), "stream", "true or false"),
-    (json.dumps({"model": "llm", "prompt": "x", "presence_penalty": 0.5}).encode(), "presence_penalty",
-     "not supported"),
+    (json.dumps({"model": "llm", "prompt": "x", "suffix": "y"}).encode(), "suffix", "not supported"),
+    (json.dumps({"model": "llm", "prompt": "x", "presence_penalty": 5}).encode(), None, "presence_penalty"),
+    (json.dumps({"model": "llm", "prompt": "x", "guided_json": {"type": "object"}, "guided_regex": "a"}).encode(),
+     "guided_json", "one output constraint"),
+    (json.dumps({"model": "llm", "prompt": "x", "response_format": {"type": "xml"}}).encode(), "response_format",
+     "json_schema"),
     (json.dumps({"model": "llm", "prompt": "x", "temperature": -1}).encode(), None, "temperature"),
     (json.dumps({"model": "llm", "prompt": "\ud800"}).encode(), "prompt", "lone surrogates"),
 ]

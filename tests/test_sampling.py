@@ -11,7 +11,7 @@ import torch
 
 from batchstring.engine.errors import InvalidRequest
 from batchstring.engine.sampling import SamplingParams, parse_sampling_parameters
-from batchstring.export.sampler import SamplingHead
+from batchstring.export.sampler import SamplingHead, neutral_inputs
 from batchstring.export.verify import NEAR_TIE, Sampling, reference_sample
 
 
@@ -72,6 +72,7 @@ def test_odd_json_gets_a_clear_invalid_argument():
         ('{"max_tokens": ' + "9" * 5000 + "}", "too long to read"),
         ("[" * 4000 + "]" * 4000, "nested too deeply"),
         (json.dumps({"stop": ["x" * 100] * 100}), "at most 8192 bytes"),
+        (json.dumps({"stop": ["x" * 100] * 500}), "at most 40960 bytes"),
         ({"temperature": 1e-40}, "0 (greedy) or in [0.01, 100]"),
         ({"logprobs": 21}, "logprobs"),
     ]:
@@ -101,7 +102,8 @@ def head_run(logits: np.ndarray, rows: list[Sampling]) -> np.ndarray:
                           torch.tensor([r.temperature for r in picked], dtype=torch.float32),
                           torch.tensor([r.top_k for r in picked], dtype=torch.long),
                           torch.tensor([r.top_p for r in picked], dtype=torch.float32),
-                          torch.tensor([r.uniform for r in picked], dtype=torch.float32))
+                          torch.tensor([r.uniform for r in picked], dtype=torch.float32),
+                          *(torch.from_numpy(a) for a in neutral_inputs(len(picked)).values()))
     return tokens.numpy()
 
 

@@ -1,0 +1,151 @@
+"""Constrained decoding: a request's grammar, compiled once, and its state while it generates.
+
+The engine is llguidance (see the README for why): it computes a row's mask of allowed tokens
+lazily, from the grammar's current state, instead of compiling the whole grammar against the
+vocabulary up front, so a new schema costs about a millisecond before its first token and the
+per-step masks of a whole batch are computed in parallel in Rust without the GIL.
+
+Life of a constrained request:
+- `EngineCore.make_sequence` (the caller's thread, never the engine's) compiles its `Guide`:
+  bounded in size (engine/sampling.py) and in work (llguidance's fuel limits, then a wall-clock
+  check), cached by grammar text in a bounded LRU of compiled templates; each request gets a copy
+  of the template, which shares the template's lexer caches. A grammar that does not compile, or
+  that admits no text at all, is refused there with the field it came from (INVALID_ARG).
+- each step (engine/batch.py), `fill_masks` writes the packed bitmasks of the constrained rows,
+  which enter the exported step as an input (export/sampler.py applies them inside the graph);
+- after the step (engine/scheduler.py), `Constraint.advance` feeds the chosen token to the
+  matcher; a matcher that cannot take it (its grammar reached a state that admits no token) ends
+  the request with an error.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+
+from batchstring.engine.errors import InvalidRequest
+from batchstring.engine.sampling import Guide
+
+COMPILE_SECONDS = 2.0  # a grammar that takes longer to compile (and check) than this is refused
+CACHE_ENTRIES = 512  # compiled grammars kept, least recently used first out
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _llguidance():
+    """Imported on first use: engines that never see a constrained request do not load it."""
+    import llguidance
+    import llguidance.numpy
+
+    return llguidance
+
+
+class Constraint:
+    """One request's position in its grammar."""
+
+    def __init__(self, matcher, kind: str, words: int) -> None:
+        self.matcher = matcher
+        self.kind = kind
+        self.words = words  # int32 words of its bitmask
+
+    def advance(self, token: int, eos_banned: bool = False) -> bool:
+        """Feeds the chosen token; False when the grammar cannot take it (the request must end).
+        `eos_banned`: the token is an end of sequence that min_tokens forbade, so the step chose it
+        only because the grammar allowed nothing else."""
+        return not eos_banned and self.matcher.consume_token(token)
+
+    @property
+    def error(self) -> str:
+        reason = self.matcher.get_error().splitlines()[0] if self.matcher.is_error() else \
+            "it allows only the end of the text, which min_tokens does not allow yet"
+        return f"sampling_parameters.{self.kind}: the grammar admits no further token ({reason})"
+
+
+class GrammarCompiler:
+    """Compiles guides for one model's tokenizer; thread-safe (requests arrive on any thread)."""
+
+    def __init__(self, tokenizer_json: Path, vocab_size: int, eos_ids: tuple[int, ...],
+                 cache_entries: int = CACHE_ENTRIES, compile_seconds: float = COMPILE_SECONDS) -> None:
+        self.tokenizer_json = tokenizer_json
+        self.vocab_size = vocab_size
+        self.words = -(-vocab_size // 32)  # int32 words of one row's bitmask
+        self.eos_ids = list(eos_ids)
+        self.cache_entries = cache_entries
+        self.compile_seconds = compile_seconds
+        self._templates: OrderedDict[Guide, object] = OrderedDict()
+        self._lock = threading.Lock()
+        self._tokenizer = None
+        self.compiled = 0  # grammars compiled (cache misses), for tests and benchmarks
+
+    def _llg_tokenizer(self):
+        """llguidance's view of the tokenizer (about a second for a 128k vocabulary), built once."""
+        with self._lock:
+            if self._tokenizer is None:
+                text = self.tokenizer_json.read_text(encoding="utf-8")  # the stub's locale may be ASCII
+                self._tokenizer = _llguidance().LLTokenizer(text, n_vocab=self.vocab_size, eos_token=self.eos_ids)
+            return self._tokenizer
+
+    def constraint(self, guide: Guide) -> Constraint:
+        """A fresh matcher for `guide`; raises InvalidRequest naming the field when it cannot be used."""
+        with self._lock:
+            template = self._templates.get(guide)
+            if template is not None:
+                self._templates.move_to_end(guide)
+        if template is None:
+            template = self._compile(guide)
+            with self._lock:
+                self._templates[guide] = template
+                while len(self._templates) > self.cache_entries:
+                    self._templates.popitem(last=False)
+        return Constraint(template.deep_copy(), guide.kind, self.words)
+
+    def _compile(self, guide: Guide):
+        llg = _llguidance()
+        tokenizer = self._llg_tokenizer()
+        field = f"sampling_parameters.{guide.kind}"
+        began = time.monotonic()
+        try:
+            if guide.kind in ("json_schema", "json_object"):
+                # Compact JSON (", " and ": "): free whitespace lets a model pad until max_tokens.
+                grammar = llg.LLMatcher.grammar_from_json_schema(guide.text, defaults=JSON_STYLE)
+            else:
+                grammar = llg.grammar_from("gbnf" if guide.kind == "grammar" else guide.kind, guide.text)
+        except ValueError as exc:
+            raise InvalidRequest(f"{field} is not valid: {_first_line(exc)}") from None
+        matcher = llg.LLMatcher(tokenizer, grammar, log_level=0)
+        if not matcher.is_error():
+            # The first mask: proves the grammar admits some text, and warms the template's caches.
+            fill_masks([Constraint(matcher, guide.kind, self.words)])
+        if matcher.is_error():
+            raise InvalidRequest(f"{field} is not usable: {_first_line(matcher.get_error())}")
+        elapsed = time.monotonic() - began
+        if elapsed > self.compile_seconds:
+            raise InvalidRequest(f"{field} took {elapsed:.1f} s to compile; at most {self.compile_seconds:g} s "
+                                 "is allowed: simplify it")
+        self.compiled += 1
+        return matcher
+
+
+
+_executor = None
+_executor_lock = threading.Lock()
+
+
+def fill_masks(constraints: list[Constraint]) -> np.ndarray:
+    """[G, words] int32: each row's allowed tokens now, computed in parallel outside the GIL."""
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            _executor = _llguidance().LLExecutor()
+    masks = np.zeros((len(constraints), constraints[0].words), np.int32)
+    _llguidance().numpy.fill_next_token_bitmask_par(_executor, [(c.matcher, i) for i, c in enumerate(constraints)],
+                                                   masks)
+    return masks
+
+
+def _first_line(error: object) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return " ".join(lines[:4])[:400] if lines else str(error)

@@ -1,0 +1,317 @@
+"""Structured output and the rest of the sampling surface: constrained decoding (JSON schema, any
+JSON, regex, choice, grammars), penalties, logit_bias, min_p and n > 1.
+
+In process: the exported step's choice of every row is checked against a numpy reference built
+from the step's own `logits` output (the model's raw logits) and the definitions, written apart
+from export/sampler.py. Through a real server: completions validate with `jsonschema`, regex and
+choice outputs match, the OpenAI routes' fields are honoured, n = 4 shares the prompt through the
+prefix cache, and each bad input gets its error while the server stays healthy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import urllib.error
+import urllib.request
+
+import jsonschema
+import numpy as np
+import openai
+import pytest
+
+from batchstring.client import AsyncBatchClient, InvalidArgument
+from batchstring.engine.runner import FETCHED, OnnxRunner, RuntimeSpec
+from batchstring.engine.sampling import SamplingParams, parse_sampling_parameters
+from batchstring.server.stats import metrics
+from tests.conftest import metric_reaches
+from tests.engine_helpers import Collector, engine
+
+SCHEMAS = {
+    "nested objects": {
+        "type": "object", "additionalProperties": False, "required": ["user", "active"],
+        "properties": {"user": {"type": "object", "additionalProperties": False, "required": ["id", "name"],
+                                "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 9999},
+                                               "name": {"type": "string", "maxLength": 12}}},
+                       "active": {"type": "boolean"}}},
+    "arrays": {"type": "object", "additionalProperties": False, "required": ["tags"],
+               "properties": {"tags": {"type": "array", "minItems": 1, "maxItems": 4,
+                                       "items": {"type": "string", "maxLength": 8}}}},
+    "enums": {"type": "object", "additionalProperties": False, "required": ["label", "level"],
+              "properties": {"label": {"enum": ["positive", "negative", "neutral"]},
+                             "level": {"enum": [1, 2, 3]}}},
+    "bounded numbers": {"type": "object", "additionalProperties": False, "required": ["score", "ratio"],
+                        "properties": {"score": {"type": "integer", "minimum": -5, "maximum": 5},
+                                       "ratio": {"type": "number", "minimum": 0, "maximum": 1}}},
+    "optional fields": {"type": "object", "additionalProperties": False, "required": ["name"],
+                        "properties": {"name": {"type": "string", "maxLength": 10},
+                                       "note": {"type": "string", "maxLength": 10},
+                                       "count": {"type": "integer", "minimum": 0, "maximum": 99}}},
+    "string patterns": {"type": "object", "additionalProperties": False, "required": ["code", "date"],
+                        "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
+                                       "date": {"type": "string", "pattern": "^20[0-9]{2}-[01][0-9]-[0-3][0-9]$"}}},
+}
+PROMPTS = ["def parse(line):\n    ", "import os\nimport ", "class Config:\n    def __init__(self", "x = {"]
+
+
+def params(**values) -> SamplingParams:
+    return parse_sampling_parameters(json.dumps(values), context_length=512, default_max_tokens=16)
+
+
+# ----- the step's choice against a numpy reference on its own logits --------------------------------
+
+
+class LogitsRunner(OnnxRunner):
+    """The shipped ONNX step, also fetching `logits`; records each step's rows as they were fed."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.steps: list[tuple[dict, list[tuple[SamplingParams, list[int], list[int]]], np.ndarray, np.ndarray]] = []
+
+    def step(self, batch):
+        self._rows = [(s.params, list(s.prompt_ids), list(s.output_ids)) for s in batch.sampled]
+        self._feeds = batch.feeds
+        return super().step(batch)
+
+    def _run(self, feeds):
+        out = self.session.run([*FETCHED, "logits"], {**feeds, "key_cache": self.keys, "value_cache": self.values})
+        self.steps.append((self._feeds, self._rows, out[-1], out[0]))
+        return out[:-1]
+
+
+def reference_logits(x: np.ndarray, p: SamplingParams, prompt: list[int], output: list[int]) -> np.ndarray:
+    """vLLM's definitions: logit_bias added, then the repetition penalty over every token seen
+    (divide positive logits, multiply negative ones), then frequency * count and presence over
+    the generated tokens."""
+    x = x.astype(np.float64).copy()
+    for token, bias in p.logit_bias:
+        x[token] += bias
+    seen = sorted(set(prompt) | set(output))
+    x[seen] = np.where(x[seen] > 0, x[seen] / p.repetition_penalty, x[seen] * p.repetition_penalty)
+    counts = np.bincount(np.asarray(output, np.int64), minlength=x.size)[: x.size]
+    return x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
+
+
+def unpack(words: np.ndarray, vocab: int) -> np.ndarray:
+    return np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab].astype(bool)
+
+
+@pytest.fixture(scope="module")
+def recorded(model_dir):
+    """One in-process run mixing every kind of row: plain greedy, penalties, logit_bias, min_p,
+    constrained (greedy and sampled)."""
+    spec = RuntimeSpec.load(model_dir / "runtime.json")
+    runner = LogitsRunner(model_dir, spec, 64 * 16, "cpu", 2)
+    eng = engine(model_dir, runner, kv_cache_tokens=64 * 16)
+    kinds = [
+        params(temperature=0, max_tokens=12, ignore_eos=True),
+        params(temperature=0, max_tokens=12, ignore_eos=True, frequency_penalty=1.5, presence_penalty=0.5),
+        params(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.8),
+        params(temperature=0, max_tokens=12, ignore_eos=True, logit_bias={"17": 8.5, "200": -100}),
+        params(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=0.7, frequency_penalty=-0.5,
+               logit_bias={"5": 2.0}),
+        params(temperature=1.0, max_tokens=12, ignore_eos=True, min_p=0.3, seed=4),
+        params(temperature=0, max_tokens=40, json_schema=SCHEMAS["enums"]),
+        params(temperature=0.9, max_tokens=40, seed=1, regex="[a-f]{2,6}-[0-9]+"),
+    ]
+    seqs = [eng.make_sequence(PROMPTS[i % len(PROMPTS)], p, Collector()) for i, p in enumerate(kinds)]
+    eng.generate(seqs)
+    return spec, runner.steps
+
+
+def test_greedy_rows_pick_the_argmax_of_the_reference_adjusted_and_masked_logits(recorded):
+    spec, steps = recorded
+    checked = 0
+    for feeds, rows, logits, tokens in steps:
+        masked = dict(zip(feeds["mask_rows"].tolist(), feeds["token_mask"]))
+        for r, (p, prompt, output) in enumerate(rows):
+            if not p.greedy:
+                continue
+            x = reference_logits(logits[r], p, prompt, output)
+            if r in masked:
+                x[~unpack(masked[r], spec.vocab_size)] = -np.inf
+            assert tokens[r] == int(np.argmax(x)), f"row {r} ({p})"
+            checked += 1
+    assert checked > 40
+
+
+def test_adjustments_change_the_choice_and_plain_greedy_stays_the_raw_argmax(recorded):
+    _, steps = recorded
+    changed, plain = 0, 0
+    for _, rows, logits, tokens in steps:
+        for r, (p, *_) in enumerate(rows):
+            if p.greedy and p.adjusts:
+                changed += int(tokens[r] != np.argmax(logits[r]))
+            elif p.greedy and p.guide is None:
+                plain += 1
+                assert tokens[r] == np.argmax(logits[r])
+    assert changed >= 5 and plain >= 10, "the penalties must actually move some choices"
+
+
+def test_min_p_samples_only_tokens_at_least_min_p_times_as_likely_as_the_best(recorded):
+    _, steps = recorded
+    seen = 0
+    for _, rows, logits, tokens in steps:
+        for r, (p, *_) in enumerate(rows):
+            if p.min_p:
+                x = logits[r].astype(np.float64) / p.temperature
+                assert x[tokens[r]] - x.max() >= np.log(p.min_p) - 1e-6
+                seen += 1
+    assert seen >= 10
+
+
+def test_sampled_constrained_rows_only_pick_allowed_tokens(recorded):
+    spec, steps = recorded
+    seen = 0
+    for feeds, rows, _, tokens in steps:
+        for r, words in zip(feeds["mask_rows"].tolist(), feeds["token_mask"]):
+            assert unpack(words, spec.vocab_size)[tokens[r]]
+            seen += int(not rows[r][0].greedy)
+    assert seen >= 3
+
+
+def test_rows_without_a_grammar_or_adjustment_add_nothing_to_the_step(model_dir):
+    eng = engine(model_dir)
+    seqs = [eng.make_sequence(p, params(temperature=0, max_tokens=3), Collector()) for p in PROMPTS]
+    for seq in seqs:
+        eng.add(seq)
+    from batchstring.engine.batch import Work, build_step
+
+    eng.scheduler.schedule()
+    batch = build_step([Work(s, 1) for s in seqs], eng.scheduler.blocks)
+    assert all(batch.feeds[k].size == 0 for k in ("mask_rows", "token_mask", "adjust_rows", "sample_rows"))
+
+
+def test_a_grammar_that_admits_no_further_token_ends_its_request_with_an_error(model_dir):
+    """choice "yes" is complete after one word; min_tokens bans the end of sequence, so nothing is allowed."""
+    eng = engine(model_dir)
+    out = Collector()
+    stuck = eng.make_sequence("x = ", params(choice=["yes"], min_tokens=5, max_tokens=8, temperature=0), out)
+    fine = eng.make_sequence("x = ", params(choice=["yes", "no"], max_tokens=8, temperature=0), out)
+    eng.generate([stuck, fine])
+    assert out.final(stuck).finish_reason == "error" and "sampling_parameters.choice" in out.final(stuck).error
+    assert out.final(fine).finish_reason == "stop" and out.text(fine) in ("yes", "no")
+
+
+def test_compiled_grammars_are_cached_by_text(model_dir):
+    eng = engine(model_dir)
+    for _ in range(3):
+        eng.make_sequence("x", params(regex="[0-9]+"), Collector())
+    eng.make_sequence("x", params(json_schema=SCHEMAS["arrays"]), Collector())
+    eng.make_sequence("x", params(json_schema=json.loads(json.dumps(SCHEMAS["arrays"]))), Collector())
+    assert eng.grammars.compiled == 2
+
+
+# ----- through a real server ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(SCHEMAS))
+def test_every_completion_parses_and_validates_against_its_schema(client, name):
+    schema = SCHEMAS[name]
+    results = client.complete(PROMPTS * 2, max_tokens=200, temperature=0.9, json_schema=schema)
+    for r in results:
+        assert r.finish_reason == "stop", r
+        jsonschema.validate(json.loads(r.text), schema)
+
+
+def test_regex_choice_grammar_and_any_json_outputs_match(client):
+    pattern = r"[A-Z][a-z]{1,6} [0-9]{1,3}"
+    for r in client.complete(PROMPTS, max_tokens=30, temperature=1.0, regex=pattern):
+        assert re.fullmatch(pattern, r.text) and r.finish_reason == "stop"
+    choices = ["red", "green", "blue"]
+    assert all(t in choices for t in client.batchstring(PROMPTS, max_tokens=8, temperature=1.0, choice=choices))
+    gbnf = 'root ::= "(" [0-9]+ ("," [0-9]+)* ")"'
+    for r in client.complete(PROMPTS, max_tokens=40, temperature=0.8, grammar=gbnf):
+        assert re.fullmatch(r"\([0-9]+(,[0-9]+)*\)", r.text) or r.finish_reason == "length"
+    for r in client.complete(PROMPTS, max_tokens=150, temperature=0.7, json_object=True):
+        assert r.finish_reason != "stop" or isinstance(json.loads(r.text), dict)
+
+
+def test_logit_bias_and_penalties_change_the_output_as_defined(client, model_dir):
+    from batchstring.engine.tokenizer import TextCodec
+
+    codec = TextCodec.from_file(model_dir / "tokenizer.json", RuntimeSpec.load(model_dir / "runtime.json").vocab_size)
+    forced = codec.encode("x")[0]
+    assert client.complete(["def f():"], max_tokens=6, ignore_eos=True, logit_bias={forced: 100})[0].text == "x" * 6
+    plain = client.complete(["def f():"], max_tokens=8, ignore_eos=True)[0].text
+    banned = set(codec.encode(plain))
+    steered = client.complete(["def f():"], max_tokens=8, ignore_eos=True,
+                              logit_bias={t: -100 for t in banned})[0].text
+    assert not banned & set(codec.encode(steered))
+    loop = "ab ab ab ab ab ab ab ab ab"
+    repeats = client.complete([loop], max_tokens=24, ignore_eos=True)[0].text
+    penalised = client.complete([loop], max_tokens=24, ignore_eos=True, frequency_penalty=2.0,
+                                repetition_penalty=1.5)[0].text
+    assert len(set(codec.encode(penalised))) > len(set(codec.encode(repeats)))
+
+
+def test_openai_fields_are_honoured(server):
+    sdk = openai.OpenAI(base_url=f"http://{server.http_url}/v1", api_key="unused", max_retries=0)
+    schema = SCHEMAS["enums"]
+    strict = sdk.completions.create(model="llm", prompt=PROMPTS[0], max_tokens=60, temperature=1.0, extra_body={
+        "response_format": {"type": "json_schema", "json_schema": {"name": "label", "schema": schema}}})
+    jsonschema.validate(json.loads(strict.choices[0].text), schema)
+    for extra in ({"guided_choice": ["up", "down"]}, {"structured_outputs": {"choice": ["up", "down"]}}):
+        out = sdk.completions.create(model="llm", prompt="x", max_tokens=5, extra_body=extra)
+        assert out.choices[0].text in ("up", "down")
+    regex = sdk.completions.create(model="llm", prompt="x", max_tokens=10, extra_body={"guided_regex": "[0-9]{4}"})
+    assert re.fullmatch("[0-9]{4}", regex.choices[0].text)
+    text = sdk.completions.create(model="llm", prompt="x", max_tokens=3, presence_penalty=0.5, frequency_penalty=0.5,
+                                  logit_bias={"5": 1}, extra_body={"response_format": {"type": "text"}})
+    assert text.choices[0].finish_reason in ("stop", "length")
+
+
+def test_n_choices_share_one_prompt_computation(server):
+    sdk = openai.OpenAI(base_url=f"http://{server.http_url}/v1", api_key="unused", max_retries=0)
+    prompt = "def choose(options):\n    " + "# pick one of the options, carefully\n    " * 8
+    before = metrics(server.metrics_url).get("batchstring_prefix_cache_hits_total", 0.0)
+    out = sdk.completions.create(model="llm", prompt=prompt, max_tokens=8, temperature=1.0, n=4)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3] and all(c.text for c in out.choices)
+    prompt_tokens = out.usage.prompt_tokens // 4
+    hits = metric_reaches(server.metrics_url, "batchstring_prefix_cache_hits_total", before + 3 * (prompt_tokens // 16))
+    assert hits - before >= 3 * 16 * (prompt_tokens // 16) - 16, "the 3 copies reuse the first one's full blocks"
+    chat_free = sdk.completions.create(model="llm", prompt=["a = ", "b = "], max_tokens=4, temperature=0, n=2)
+    assert [c.index for c in chat_free.choices] == [0, 1, 2, 3]
+    assert chat_free.choices[0].text == chat_free.choices[1].text != "" and chat_free.choices[2].text
+
+
+BAD = [  # (sampling options, what the error names)
+    ({"json_schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}, "sampling_parameters.json_schema"),
+    ({"regex": "([a-z]+"}, "sampling_parameters.regex"),
+    ({"grammar": "root ::= missing_rule"}, "sampling_parameters.grammar"),
+    ({"grammar": 'start: "a"\nstart: "b" &'}, "sampling_parameters.grammar"),
+    ({"regex": "[^\\x00-\\U0010FFFF]"}, "sampling_parameters.regex"),  # admits no text at all
+    ({"json_schema": {"type": "object", "properties": {f"k{i}": {"type": "string", "pattern": "x" * 40}
+                                                       for i in range(440)}}}, "at most 32768 bytes"),
+    ({"logit_bias": {"4096": 5}}, "sampling_parameters.logit_bias"),
+    ({"logit_bias": {"5": 500}}, "sampling_parameters.logit_bias"),
+    ({"regex": "a", "choice": ["b"]}, "one of json_schema"),
+]
+
+
+def test_bad_inputs_get_invalid_argument_naming_the_field_and_cost_nobody_else(server, client):
+    async def run():
+        async with AsyncBatchClient(server.grpc_url) as aio:
+            good = aio.complete(PROMPTS, max_tokens=12, temperature=0, ignore_eos=True)
+            bad = [aio.complete(["x"], max_tokens=4, return_exceptions=True, **options) for options, _ in BAD]
+            return await asyncio.gather(good, *bad)
+
+    good, *bad = asyncio.run(run())
+    assert [r.text for r in good] == [r.text for r in client.complete(PROMPTS, max_tokens=12, ignore_eos=True)]
+    for (options, names), (result,) in zip(BAD, bad):
+        assert isinstance(result, InvalidArgument) and names in str(result), (options, result)
+    assert server.model_ready()
+
+
+def test_bad_structured_bodies_get_a_400_naming_the_field(server):
+    for body, param in (({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+                        ({"structured_outputs": {"xml": "<a/>"}}, "structured_outputs"),
+                        ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+                        ({"best_of": 3}, "best_of")):
+        request = urllib.request.Request(f"http://{server.http_url}/v1/completions",
+                                         data=json.dumps({"model": "llm", "prompt": "x", **body}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        assert refused.value.code == 400 and json.loads(refused.value.read())["error"]["param"] == param

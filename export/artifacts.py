@@ -124,7 +124,7 @@ def run_on_meta(model_pt: Path, spec: dict) -> tuple[torch.Tensor, ...]:
     from batchstring.export.verify import Row, Sampling, pack
 
     module = torch.jit.load(str(model_pt))
-    graph, weights = torch._C._jit_pass_lower_graph(module.graph, module._c)
+    graph, weights = torch._C._jit_pass_lower_graph(module.inlined_graph, module._c)
     function = torch._C._create_function_from_graph("step_on_meta", graph)
     cache = np.zeros((spec["num_layers"], spec["num_kv_heads"], 40, spec["head_dim"]), np.float32)
     rows = [Row([3], list(range(10))), Row([5], list(range(10, 17)), Sampling(temperature=0.8, top_p=0.9)),

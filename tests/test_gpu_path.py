@@ -66,7 +66,7 @@ def test_the_meta_run_catches_a_tensor_made_on_a_fixed_device(tmp_path):
     torch.jit.trace(Pinned(), torch.zeros(3)).save(str(path))
     assert artifacts.device_constants(path), "the saved code names torch.device('cpu')"
     module = torch.jit.load(str(path))
-    graph, weights = torch._C._jit_pass_lower_graph(module.graph, module._c)
+    graph, weights = torch._C._jit_pass_lower_graph(module.inlined_graph, module._c)
     function = torch._C._create_function_from_graph("pinned", graph)
     with pytest.raises(RuntimeError):
         function(torch.zeros(3, device="meta"), *weights)

@@ -142,8 +142,9 @@ class AsyncBatchClient:
         """Each input's `Completion` (text, finish reason, token counts, log-probabilities), in order.
 
         `sampling` takes the rest of GenerationOptions: min_p, presence_penalty, frequency_penalty,
-        repetition_penalty, logit_bias, and one structured-output constraint (json_schema,
-        json_object, regex, choice, grammar) that every completion of the call will match.
+        repetition_penalty, logit_bias, one structured-output constraint (json_schema,
+        json_object, regex, choice, grammar) that every completion of the call will match, and
+        speculative (False: no speculative decoding for these requests).
 
         `timeout` bounds the whole call, retries included (default: the retry policy's deadline).
         `priority` is the Triton queue level (protocol.INTERACTIVE, the default, or protocol.BATCH,

@@ -46,6 +46,7 @@ class GenerationOptions:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None  # Lark or GBNF
+    speculative: bool | None = None  # False: no speculative decoding for this request (the server's default: on)
 
     def to_json(self) -> str | None:
         values = {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items() if v is not None}

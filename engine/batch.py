@@ -19,11 +19,14 @@ from batchstring.engine.sequence import Sequence
 
 @dataclass(frozen=True)
 class Work:
-    """A sequence in a step: feed its next `new` tokens; `samples`: its next token is wanted."""
+    """A sequence in a step: feed its next `new` tokens; `samples`: its next token is wanted.
+    `draft`: speculative tokens fed after its last one (new = 1 + len(draft)); the token after
+    each of them comes back too (engine/speculation.py)."""
 
     seq: Sequence
     new: int
     samples: bool = True
+    draft: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -87,12 +90,13 @@ def build_step(work: list[Work], blocks: BlockManager, rng: np.random.Generator 
             np.concatenate([writes, p.writes])
         order, logit_tokens = np.concatenate([order, p.order]), np.concatenate([logit_tokens, p.last])
     ordered = decode + prefill if prefill else decode
-    if all(w.samples for w in ordered):
+    if all(w.samples and not w.draft for w in ordered):
         sampled = [w.seq for w in ordered]
-    else:
-        keep = np.fromiter((w.samples for w in ordered), bool, len(ordered))
+    else:  # a draft row is sampled at each of its positions
+        outputs = [1 + len(w.draft) for w in ordered]
+        keep = np.repeat(np.fromiter((w.samples for w in ordered), bool, len(ordered)), outputs)
         logit_tokens = logit_tokens[keep]
-        sampled = [w.seq for w in ordered if w.samples]
+        sampled = [w.seq for w, n in zip(ordered, outputs) if w.samples for _ in range(n)]
     sampling = sampling_inputs(sampled, rng or np.random.default_rng())
     feeds = {
         "input_ids": ids, "position_ids": positions,
@@ -144,12 +148,12 @@ def _prefill_group(prefill: list[Work], blocks: BlockManager, offset: int) -> _G
         slots[j, :past] = seq_slots[:past]
         mask[j, :past] = True
         mask[j, past_width + width - new :] = True
-        ids.append(w.seq.pending_ids(new))
+        ids.append(w.seq.pending_ids(new - len(w.draft)) + list(w.draft))
         positions.append(blocks.positions[past:end])
         writes.append(seq_slots[past:])
         order.append(offset + j * width + np.arange(width - new, width))
         start += new
-        last.append(start - 1)
+        last.extend(range(start - len(w.draft) - 1, start))
     return _Group(np.concatenate(ids).astype(np.int64), np.concatenate(positions), tokens, slots, mask,
                   np.concatenate(writes), np.concatenate(order), np.asarray(last, np.int64))
 

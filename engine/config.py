@@ -31,6 +31,8 @@ class EngineConfig:
     fault_marker: str = ""  # test-only fault injection (engine/faults.py); empty = off
     stall_seconds: float = 60.0  # a step running longer than this (work pending) means the engine is broken
     threads: int = 0  # intra-op threads for the runtime; 0 = the runtime's default
+    speculative_tokens: int = 4  # n-gram draft tokens per decoding row and step; 0 = no speculation
+    speculative_step_tokens: int = 24  # drafts only while the step, drafts included, has at most this many tokens
 
     def __post_init__(self) -> None:
         if self.runtime not in RUNTIMES:
@@ -43,6 +45,9 @@ class EngineConfig:
             raise ValueError("parameter kv_cache_tokens must be a positive number of tokens or auto, and "
                              f"kv_cache_memory_fraction in (0, 1]; got {self.kv_cache_tokens}, "
                              f"{self.kv_cache_memory_fraction}")
+        if self.speculative_tokens < 0 or self.speculative_step_tokens < 1:
+            raise ValueError("parameter speculative_tokens must be >= 0 (0: off) and speculative_step_tokens >= 1; "
+                             f"got {self.speculative_tokens}, {self.speculative_step_tokens}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("parameter long_prefill_token_threshold must be >= 0 (0: no cap); "
                              f"got {self.long_prefill_token_threshold}")

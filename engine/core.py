@@ -27,6 +27,7 @@ from batchstring.engine.runner import PagedCacheRunner, RuntimeSpec, build_runne
 from batchstring.engine.sampling import SamplingParams
 from batchstring.engine.scheduler import Scheduler
 from batchstring.engine.sequence import Sequence
+from batchstring.engine.speculation import Speculator
 from batchstring.engine.stats import EngineStats
 from batchstring.engine.tokenizer import TextCodec
 
@@ -42,7 +43,10 @@ class EngineCore:
         self.max_len = min(self.spec.context_length, num_blocks * config.block_size)
         blocks = BlockManager(num_blocks, config.block_size, config.max_num_seqs, self.max_len,
                               config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, blocks, policy_for(config.scheduling), self.spec.eos_token_ids)
+        self.speculator = Speculator(config.speculative_tokens, config.speculative_step_tokens,
+                                     self.spec.eos_token_ids)
+        self.scheduler = Scheduler(config, blocks, policy_for(config.scheduling), self.spec.eos_token_ids,
+                                   self.speculator if self.speculator.enabled else None)
         self.stats = EngineStats()
         runner = runner or build_runner(config.runtime, model_dir, self.spec, num_blocks * config.block_size,
                                         config.device, config.threads)
@@ -121,6 +125,7 @@ class EngineCore:
             self._update_gauges()  # requests may have left without a step (aborted, expired)
             return False
         ran, failed = self.isolation.run(scheduled.work)
+        ran = [Ran(*self.speculator.verify(r.work, r.batch, r.out)) for r in ran]  # drafts: accepted tokens only
         ended = [self.scheduler.update(r.work, r.batch.sampled, r.out.tokens) for r in ran]
         self._respond(scheduled.prefill, ran, ended, failed)
         return True
@@ -147,6 +152,7 @@ class EngineCore:
         except EngineBroken as exc:
             raise EngineBroken(f"warm-up failed on {self.config.device} with {self.config.runtime}: {exc}") from None
         self.stats = self.isolation.stats = EngineStats()
+        self.speculator.reset_stats()
 
     # ----- after the step ----------------------------------------------------------------------
 
@@ -181,11 +187,13 @@ class EngineCore:
     def _push_tokens(self, r: Ran, rows: list[int], finished: dict[Sequence, str]) -> None:
         """Text (streamed pieces, stop strings) and log-probabilities, for the rows that need them."""
         sample_index = None
+        sampled = r.batch.sampled
         for i in rows:
-            seq = r.batch.sampled[i]
-            if finished.get(seq) == "stop":
-                continue  # an end-of-sequence token: no text
+            seq = sampled[i]
             token = int(r.out.tokens[i])
+            if seq.finished or (finished.get(seq) == "stop" and token in self.scheduler.eos):
+                continue  # cut by a stop string at an earlier token of its draft row, or an end-of-sequence token
+
             entry = None
             if seq.params.logprobs is not None:  # such rows are always among the sampled ones
                 if sample_index is None:
@@ -194,6 +202,8 @@ class EngineCore:
                 top = tuple(zip(r.out.top_ids[m, :n].tolist(), r.out.top_logprobs[m, :n].tolist()))
                 entry = TokenLogprob(token, float(r.out.logprobs[m]), top)
             if seq.output.push(token, len(seq.output_ids), entry):
+                later = next((j for j, s in enumerate(sampled[i + 1 :]) if s is not seq), len(sampled) - i - 1)
+                del seq.output_ids[len(seq.output_ids) - later :]  # kept drafts past the stop string
                 finished.pop(seq, None)
                 self._finish(seq, "stop", cut=True)
 

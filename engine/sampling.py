@@ -56,6 +56,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1 = off
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids unique
     guide: Guide | None = None  # constrained decoding
+    speculative: bool = True  # false: never speculative drafts for this request (engine/speculation.py)
 
     @property
     def greedy(self) -> bool:
@@ -263,5 +264,6 @@ _PARSERS: dict[str, Callable[[str, object, int], object]] = {
     "frequency_penalty": lambda k, v, ctx: _as_float(k, v, -2.0, 2.0),
     "repetition_penalty": lambda k, v, ctx: _as_float(k, v, 0.0, 2.0, open_low=True),
     "logit_bias": lambda k, v, ctx: _as_logit_bias(v),
+    "speculative": lambda k, v, ctx: _as_bool(k, v),
     **{key: (lambda k, v, ctx: _as_guide(k, v)) for key in GUIDE_KEYS},
 }

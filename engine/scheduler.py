@@ -36,6 +36,7 @@ from batchstring.engine.block_manager import BlockManager
 from batchstring.engine.config import EngineConfig
 from batchstring.engine.policy import ContinuousBatching
 from batchstring.engine.sequence import Sequence, Status
+from batchstring.engine.speculation import Speculator
 
 
 @dataclass(frozen=True)
@@ -50,10 +51,11 @@ class ScheduledStep:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, blocks: BlockManager, policy: ContinuousBatching,
-                 eos_token_ids: tuple[int, ...]) -> None:
+                 eos_token_ids: tuple[int, ...], speculator: Speculator | None = None) -> None:
         self.config = config
         self.blocks = blocks
         self.policy = policy
+        self.speculator = speculator  # speculative drafts for decoding rows; None: off
         self.eos = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -95,7 +97,8 @@ class Scheduler:
             work = self._decode_rows() + self._prefill_chunks()
             admitted = self._admit(budget - sum(w.new for w in work))
             work += admitted
-            return ScheduledStep(work, prefill=any(w.new > 1 for w in work) or bool(admitted)) if work else None
+            prefill = any(w.new > 1 for w in work) or bool(admitted)
+            return ScheduledStep(self._with_drafts(work), prefill=prefill) if work else None
         admitted = self._admit(budget if self.policy.chunks else None)
         if admitted:
             return ScheduledStep(admitted, prefill=True)
@@ -164,6 +167,20 @@ class Scheduler:
                 self.blocks.grow(seq, seq.num_tokens)
         return [Work(s, 1) for s in self.running if s.num_tokens - s.num_cached == 1]
 
+    def _with_drafts(self, work: list[Work]) -> list[Work]:
+        """Decoding rows with speculative drafts (engine/speculation.py decides which), each given
+        blocks for its drafts here; a row whose drafts would eat into the blocks kept free for
+        growth decodes plainly instead."""
+        if self.speculator is None:
+            return work
+        for i, draft in self.speculator.propose(work).items():
+            seq = work[i].seq
+            end = seq.num_tokens + len(draft)
+            if self.blocks.extra_blocks(seq, end) + self._watermark <= self.blocks.num_free:
+                self.blocks.grow(seq, end)
+                work[i] = Work(seq, 1 + len(draft), draft=draft)
+        return work
+
     def _prefill_chunks(self) -> list[Work]:
         """The next chunk of each running sequence still prefilling, within the step's budget."""
         budget = self.config.max_num_batched_tokens - sum(1 for s in self.running if s.num_tokens - s.num_cached == 1)
@@ -226,14 +243,10 @@ class Scheduler:
         error: a constrained sequence whose grammar cannot take the token).
 
         A plain loop: per row it is a list append and two comparisons, cheaper than building
-        arrays for them at any batch size the engine runs (measured; see BENCHMARKS.md).
+        arrays for them at any batch size the engine runs (measured; see BENCHMARKS.md). A verified
+        draft row (engine/speculation.py) comes as several rows of the same sequence, one per token it
+        keeps, and caches the accepted drafts: its tokens are appended before its blocks are hashed.
         """
-        size = self.blocks.block_size
-        for w in work:
-            seq = w.seq
-            seq.num_cached += w.new
-            if self.blocks.prefix_caching and seq.num_cached // size > len(seq.block_hashes):
-                self.blocks.commit(seq)
         eos = self.eos
         ended = {}
         for seq, token in zip(sampled, tokens.tolist()):
@@ -249,4 +262,10 @@ class Scheduler:
                 ended[seq] = "stop"
             elif len(generated) >= seq.params.max_tokens:  # admission checked it fits the context
                 ended[seq] = "length"
+        size = self.blocks.block_size
+        for w in work:
+            seq = w.seq
+            seq.num_cached += w.new
+            if self.blocks.prefix_caching and seq.num_cached // size > len(seq.block_hashes):
+                self.blocks.commit(seq)
         return ended

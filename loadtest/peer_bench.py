@@ -59,7 +59,7 @@ class Ours:
 
     def __init__(self, server: LocalServer, speculative: bool) -> None:
         self.server = server
-        self.options = {} if not speculative else {"speculative": True}
+        self.options = {"speculative": speculative}
 
     def measure(self, items: list[Item], callers: int) -> Run:
         texts: dict[int, str] = {}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 
+from batchstring.engine.speculation import Speculator
 from batchstring.engine.stats import EngineStats
 
 PUBLISH_SECONDS = 0.5
@@ -34,13 +35,25 @@ COUNTERS = {
     "prefix_hit_tokens": ("batchstring_prefix_cache_hits_total", "Prompt tokens found in the prefix cache (hit rate: "
                           "hits / queries)"),
 }
+SPECULATION = {
+    "drafted": ("batchstring_spec_decode_draft_tokens_total", "Speculative (n-gram) draft tokens verified"),
+    "accepted": ("batchstring_spec_decode_accepted_tokens_total", "Draft tokens accepted (acceptance rate: "
+                 "accepted / drafted; tokens per verified row: 1 + accepted / verify rows)"),
+    "verify_rows": ("batchstring_spec_decode_verify_rows_total", "Row-steps that carried drafts"),
+}
+PER_POSITION = {
+    "drafted_at": ("batchstring_spec_decode_draft_tokens_per_pos_total", "Draft tokens verified, by position in the "
+                   "draft (1 = first)"),
+    "accepted_at": ("batchstring_spec_decode_accepted_tokens_per_pos_total", "Draft tokens accepted, by position"),
+}
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 class MetricsPublisher:
-    def __init__(self, pb_utils, stats: EngineStats, model: str, instance: str) -> None:
+    def __init__(self, pb_utils, stats: EngineStats, model: str, instance: str, speculator: Speculator) -> None:
         labels = {"model": model, "instance": instance}
         self.stats = stats
+        self.speculator = speculator  # its counters are replaced after warm-up: read through it
 
         def family(name: str, text: str, kind):
             return pb_utils.MetricFamily(name=name, description=text, kind=kind)
@@ -53,6 +66,14 @@ class MetricsPublisher:
         finished = family("batchstring_requests_finished_total", "Requests finished, by finish_reason", counter)
         self.families.append(finished)
         self.finished = {r: finished.Metric(labels={**labels, "reason": r}) for r in FINISH_REASONS}
+        self.speculation = {}
+        for key, (name, text) in SPECULATION.items():
+            self.families.append(family(name, text, counter))
+            self.speculation[key] = self.families[-1].Metric(labels=labels)
+        for key, (name, text) in PER_POSITION.items():
+            self.families.append(family(name, text, counter))
+            for i in range(speculator.k):
+                self.speculation[f"{key}:{i}"] = self.families[-1].Metric(labels={**labels, "position": str(i + 1)})
         self._sent: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="batchstring-metrics", daemon=True)
@@ -74,9 +95,15 @@ class MetricsPublisher:
             metric.set(float(getattr(self.stats, key)))
         totals = {key: float(getattr(self.stats, key)) for key in self.counters}
         totals.update({f"finished:{r}": float(self.stats.finished.get(r, 0)) for r in FINISH_REASONS})
+        spec = self.speculator.stats
+        totals.update({f"spec:{key}": float(getattr(spec, key)) for key in SPECULATION})
+        totals.update({f"spec:{key}:{i}": float(n) for key in PER_POSITION for i, n in enumerate(getattr(spec, key))})
         for key, value in totals.items():
             delta = value - self._sent.get(key, 0.0)
             if delta > 0:
-                target = self.finished[key[9:]] if key.startswith("finished:") else self.counters[key]
-                target.increment(delta)
+                self._target(key).increment(delta)
                 self._sent[key] = value
+
+    def _target(self, key: str):
+        kind, _, name = key.partition(":")
+        return {"finished": self.finished, "spec": self.speculation}.get(kind, self.counters)[name or kind]

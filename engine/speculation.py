@@ -1,0 +1,216 @@
+"""Speculative decoding with n-gram (prompt lookup) drafts, verified by the exported step.
+
+Drafts: a decoding sequence whose last few tokens occurred earlier in its prompt or output
+proposes the tokens that followed them then (the most recent occurrence, the longest n-gram
+first). Code repeats itself — names, call patterns, whole lines — so a completion often continues
+what its prompt already holds. Finding a draft is a dictionary lookup per sequence: each
+sequence's n-grams are indexed as its tokens arrive.
+
+Verification is one step of the exported graph: a row's last token and its k draft tokens go in
+like a short prefill chunk, and the step returns the next token at each of the k + 1 positions,
+chosen exactly as a decode step would choose it (greedy argmax, or an inverse-CDF draw with the
+row's own uniform number). Draft token i is accepted while the step chose it at position i - 1;
+the first position whose choice differs gives the next token, and so does the position after the
+last draft when all are accepted. For a greedy row that is exactly plain decoding. For a sampled
+row it is the standard rejection rule for a point-mass draft — accept d with probability p(d),
+else draw from p with d removed, renormalised — realised with one uniform number per position:
+the inverse-CDF draw equals d with probability p(d), and when it does not, it is distributed as p
+without d. So every row keeps its output distribution, and a seeded row uses the same random
+numbers as without speculation (the n-th token takes the n-th number of its own stream) and
+produces the same tokens with speculation on or off.
+
+The cache keeps only accepted tokens: a row's cached count advances by 1 + accepted; the keys and
+values written for rejected drafts sit in slots past it and are overwritten when those positions
+are fed again.
+
+Policy (when drafts are proposed at all), in order:
+- server-wide: `speculative_tokens` (k) > 0; per request: sampling parameter `speculative`
+  (default true);
+- only decoding rows of continuous batching with chunked prefill (the default), not below
+  `min_tokens`, without a grammar (structured output) or penalties / logit_bias, and at most as
+  many drafts as tokens the request may still generate less one;
+- the batch is small: drafts are added to a step only while the step, drafts included, stays
+  within `speculative_step_tokens` tokens. A step is cheap per token only while the device is
+  bound by reading weights and cache; once the batch alone fills it, verifying drafts costs
+  as much as the tokens they might save, so a full batch never speculates;
+- a sequence whose draft was rejected outright waits 1, 3, 7, 15 (at most 16) tokens before
+  drafting again (reset by any accepted draft), so text that does not repeat itself stops paying
+  for verification.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from batchstring.engine.batch import StepBatch, Work
+from batchstring.engine.runner import StepOutput
+from batchstring.engine.sequence import Sequence
+
+NGRAM_MAX = 3  # longest n-gram looked up
+NGRAM_MIN = 1  # shortest
+MAX_BACKOFF = 16  # tokens a sequence waits before drafting again, at most
+
+
+@dataclass
+class SpeculationStats:
+    """Counters, read by the metrics publisher from another thread: the engine only bumps them."""
+
+    drafted: int = 0  # draft tokens verified
+    accepted: int = 0  # of which accepted
+    verify_rows: int = 0  # row-steps that carried drafts
+    drafted_at: list[int] = field(default_factory=list)  # per draft position (0 = first): drafted
+    accepted_at: list[int] = field(default_factory=list)  # per draft position: accepted
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
+        self.verify_rows += 1
+        for i in range(drafted):
+            self.drafted_at[i] += 1
+        for i in range(accepted):
+            self.accepted_at[i] += 1
+
+
+class _Index:
+    """One sequence's n-grams: for each n, the n tokens before position p -> p (the latest p)."""
+
+    __slots__ = ("done", "grams", "misses", "wait")
+
+    def __init__(self) -> None:
+        self.done = 1  # positions below this are indexed
+        self.grams: list[dict[tuple[int, ...], int]] = [{} for _ in range(NGRAM_MAX + 1)]
+        self.wait = 0  # tokens to generate before drafting again
+        self.misses = 0  # drafts rejected outright in a row
+
+    def draft(self, tokens: list[int], k: int) -> tuple[int, ...]:
+        end = len(tokens)
+        for p in range(self.done, end):
+            for n in range(NGRAM_MIN, min(NGRAM_MAX, p) + 1):
+                self.grams[n][tuple(tokens[p - n : p])] = p
+        self.done = max(self.done, end)
+        for n in range(min(NGRAM_MAX, end - 1), NGRAM_MIN - 1, -1):
+            p = self.grams[n].get(tuple(tokens[end - n :]))
+            if p is not None:
+                return tuple(tokens[p : p + k])
+        return ()
+
+
+class Speculator:
+    """Proposes drafts for a step (the scheduler gives them room in the cache) and turns the
+    verified step into what plain decoding would have produced, accepted tokens only."""
+
+    def __init__(self, k: int, step_tokens: int, eos_token_ids: tuple[int, ...]) -> None:
+        self.k = k
+        self.step_tokens = step_tokens
+        self.eos = frozenset(eos_token_ids)
+        self.stats = SpeculationStats(drafted_at=[0] * k, accepted_at=[0] * k)
+        self._index: weakref.WeakKeyDictionary[Sequence, _Index] = weakref.WeakKeyDictionary()
+        self._rng_states: dict[Sequence, dict] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self.k > 0
+
+    def reset_stats(self) -> None:
+        self.stats = SpeculationStats(drafted_at=[0] * self.k, accepted_at=[0] * self.k)
+
+    def propose(self, work: list[Work]) -> dict[int, tuple[int, ...]]:
+        """Drafts for the step's decoding rows, by index into `work`; none when they would take the
+        step past `speculative_step_tokens` (see the module's policy)."""
+        rows = [i for i, w in enumerate(work) if w.new == 1 and w.samples and self._may_draft(w.seq)]
+        if not rows or sum(w.new for w in work) + len(rows) * self.k > self.step_tokens:
+            return {}
+        drafts = {}
+        self._rng_states = {}
+        for i in rows:
+            seq = work[i].seq
+            index = self._index.get(seq) or self._index.setdefault(seq, _Index())
+            if index.wait:
+                index.wait -= 1
+                continue
+            room = seq.params.max_tokens - len(seq.output_ids) - 1
+            draft = index.draft(seq.all_ids, min(self.k, room))
+            if draft:
+                drafts[i] = draft
+                self._hold_random_state(seq)
+        return drafts
+
+    def _may_draft(self, seq: Sequence) -> bool:
+        """Rows whose later positions the step would treat like their first are left out: a
+        grammar's mask and the penalties follow the tokens generated, which drafts would change
+        mid-row, and so does the end-of-sequence ban below `min_tokens`."""
+        params = seq.params
+        return (params.speculative and not seq.padding and len(seq.output_ids) + 1 < params.max_tokens
+                and params.guide is None and not params.adjusts
+                and (params.ignore_eos or len(seq.output_ids) >= params.min_tokens))
+
+    def _hold_random_state(self, seq: Sequence) -> None:
+        """A seeded sampled row draws one number per position it is verified at; after the step it
+        must have used one per token it kept, as without speculation: remember where it stood."""
+        if seq.rng is not None and (not seq.params.greedy or seq.params.logprobs is not None):
+            self._rng_states[seq] = seq.rng.bit_generator.state
+
+    def verify(self, work: list[Work], batch: StepBatch, out: StepOutput) -> tuple[list[Work], StepBatch, StepOutput]:
+        """The step as plain decoding would have left it: each draft row keeps its accepted drafts
+        and the token after them (cut at an end-of-sequence token), and caches only what it keeps."""
+        drafts = {w.seq: w for w in work if w.draft}
+        if not drafts:
+            return work, batch, out
+        keep = np.ones(len(batch.sampled), bool)
+        tokens = out.tokens.tolist()
+        kept_work = {}
+        row = 0
+        while row < len(batch.sampled):
+            seq = batch.sampled[row]
+            w = drafts.get(seq)
+            if w is None:
+                row += 1
+                continue
+            accepted = self._accepted(w, tokens[row : row + len(w.draft) + 1])
+            keep[row + accepted + 1 : row + len(w.draft) + 1] = False
+            kept_work[seq] = dataclasses.replace(w, new=1 + accepted, draft=w.draft[:accepted])
+            self._reseat(seq, accepted + 1)
+            row += len(w.draft) + 1
+        work = [kept_work.get(w.seq, w) for w in work]
+        return work, _compact_batch(batch, keep), _compact_output(out, keep, batch.sampling.sample_rows)
+
+    def _accepted(self, w: Work, chosen: list[int]) -> int:
+        """Drafts accepted (leading positions where the step chose the draft token), cut so that the
+        kept tokens end at the first end-of-sequence token; records the counters and the back-off."""
+        accepted = 0
+        while accepted < len(w.draft) and chosen[accepted] == w.draft[accepted]:
+            accepted += 1
+        self.stats.record(len(w.draft), accepted)
+        index = self._index.get(w.seq)
+        if index is not None:
+            index.misses = 0 if accepted else index.misses + 1
+            index.wait = min(MAX_BACKOFF, 2 ** index.misses - 1) if index.misses else 0
+        if not w.seq.params.ignore_eos:
+            ends = [i for i, token in enumerate(chosen[: accepted + 1]) if token in self.eos]
+            accepted = ends[0] if ends else accepted
+        return accepted
+
+    def _reseat(self, seq: Sequence, used: int) -> None:
+        state = self._rng_states.pop(seq, None)
+        if state is not None:
+            seq.rng.bit_generator.state = state
+            seq.rng.random(used)
+
+
+def _compact_batch(batch: StepBatch, keep: np.ndarray) -> StepBatch:
+    """The kept rows of `sampled`, and `sample_rows` renumbered to them: what is read after the
+    step (the rest of the inputs stay as they ran)."""
+    rows = batch.sampling.sample_rows
+    renumbered = (np.cumsum(keep) - 1)[rows[keep[rows]]]
+    sampled = [seq for seq, kept in zip(batch.sampled, keep) if kept]
+    return dataclasses.replace(batch, sampled=sampled,
+                               sampling=dataclasses.replace(batch.sampling, sample_rows=renumbered))
+
+
+def _compact_output(out: StepOutput, keep: np.ndarray, sample_rows: np.ndarray) -> StepOutput:
+    kept_rows = keep[sample_rows]
+    return StepOutput(out.tokens[keep], out.logprobs[kept_rows], out.top_ids[kept_rows], out.top_logprobs[kept_rows])

@@ -32,10 +32,10 @@ Policy (when drafts are proposed at all), in order:
 - the batch is small: drafts are added to a step only while the step, drafts included, stays
   within `speculative_step_tokens` tokens. A step is cheap per token only while the device is
   bound by reading weights and cache; once the batch alone fills it, verifying drafts costs
-  as much as the tokens they might save, so a full batch never speculates;
-- a sequence whose draft was rejected outright waits 1, 3, 7, 15 (at most 16) tokens before
-  drafting again (reset by any accepted draft), so text that does not repeat itself stops paying
-  for verification.
+  as much as the tokens they might save, so a full batch never speculates. Within the budget a
+  row drafts whenever its lookup finds a match: on the CPU a row of 1 + 4 tokens costs about 18%
+  more than a row of one, so a draft pays as soon as it is accepted one time in five, and a
+  back-off after rejected drafts measured worse (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ from batchstring.engine.sequence import Sequence
 
 NGRAM_MAX = 3  # longest n-gram looked up
 NGRAM_MIN = 1  # shortest
-MAX_BACKOFF = 16  # tokens a sequence waits before drafting again, at most
 
 
 @dataclass
@@ -78,13 +77,11 @@ class SpeculationStats:
 class _Index:
     """One sequence's n-grams: for each n, the n tokens before position p -> p (the latest p)."""
 
-    __slots__ = ("done", "grams", "misses", "wait")
+    __slots__ = ("done", "grams")
 
     def __init__(self) -> None:
         self.done = 1  # positions below this are indexed
         self.grams: list[dict[tuple[int, ...], int]] = [{} for _ in range(NGRAM_MAX + 1)]
-        self.wait = 0  # tokens to generate before drafting again
-        self.misses = 0  # drafts rejected outright in a row
 
     def draft(self, tokens: list[int], k: int) -> tuple[int, ...]:
         end = len(tokens)
@@ -129,9 +126,6 @@ class Speculator:
         for i in rows:
             seq = work[i].seq
             index = self._index.get(seq) or self._index.setdefault(seq, _Index())
-            if index.wait:
-                index.wait -= 1
-                continue
             room = seq.params.max_tokens - len(seq.output_ids) - 1
             draft = index.draft(seq.all_ids, min(self.k, room))
             if draft:
@@ -180,15 +174,11 @@ class Speculator:
 
     def _accepted(self, w: Work, chosen: list[int]) -> int:
         """Drafts accepted (leading positions where the step chose the draft token), cut so that the
-        kept tokens end at the first end-of-sequence token; records the counters and the back-off."""
+        kept tokens end at the first end-of-sequence token; records the counters."""
         accepted = 0
         while accepted < len(w.draft) and chosen[accepted] == w.draft[accepted]:
             accepted += 1
         self.stats.record(len(w.draft), accepted)
-        index = self._index.get(w.seq)
-        if index is not None:
-            index.misses = 0 if accepted else index.misses + 1
-            index.wait = min(MAX_BACKOFF, 2 ** index.misses - 1) if index.misses else 0
         if not w.seq.params.ignore_eos:
             ends = [i for i, token in enumerate(chosen[: accepted + 1]) if token in self.eos]
             accepted = ends[0] if ends else accepted

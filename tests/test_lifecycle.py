@@ -142,7 +142,9 @@ def test_sigkill_of_tritonserver_ends_its_model_process_within_5_seconds(model_d
 def test_a_restart_says_so_and_ends_an_old_model_process_before_starting(model_dir, capfd):
     """A model process that survived its tritonserver (here: stopped, with its watch) would hold
     its memory while the new server sizes its cache: the start waits for it, then kills it."""
-    server = LocalServer(config="cpu").start()
+    # An overlay (any parameter) puts the model under this server's own directory, where no other
+    # server's start looks for leftovers.
+    server = LocalServer(config="cpu", params={"threads": "0"}).start()
     try:
         model = server.stub_processes()[0]
         for proc in (model, *model.children()):

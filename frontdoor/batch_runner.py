@@ -73,7 +73,8 @@ def parse_line(routes: OpenAIRoutes, endpoint: str, number: int, raw: bytes) -> 
     except ApiError as exc:
         raise Malformed(number, f"body: {exc}") from None
     if len(request.prompts) != 1 or request.stream or request.echo:
-        raise Malformed(number, "body must hold one prompt, without stream or echo")
+        raise Malformed(number, "body must ask for one completion of one prompt (a string prompt, n = 1), "
+                                "without stream or echo")
     return Line(Item(number, custom_id, request.prompts[0], request.options), chat)
 
 

@@ -1,10 +1,10 @@
 """`batchstring batch-bench`: does a running batch leave interactive callers alone, and use the rest?
 
 One server, side by side in one run:
-1. interactive alone: `callers` closed-loop callers (each sends its next request when the last
-   one answers) for `seconds`: latency p50/p99 and completion tokens/s;
-2. the batch alone (`lines` lines through /v1/files and /v1/batches), and the same file through
+1. the batch alone (`lines` lines through /v1/files and /v1/batches), and the same file through
    `batchstring run --input` (the client-side job) for reference: lines/s and tokens/s;
+2. interactive alone: `callers` closed-loop callers (each sends its next request when the last
+   one answers) for `seconds`: latency p50/p99 and completion tokens/s;
 3. both at once: the callers again while a batch of the same file runs; their latency and
    tokens/s, and the batch's lines/s while they call.
 Prints the ratios (with batch / alone) that the Batch API promises to keep small.
@@ -17,6 +17,7 @@ import asyncio
 import json
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -40,25 +41,39 @@ def write_file(path: Path, lines: int, max_tokens: int) -> None:
                                 "body": body}) + "\n")
 
 
-async def interactive(url: str, callers: int, seconds: float, max_tokens: int) -> dict:
-    """Closed-loop callers for `seconds`: per-request latency and completion tokens/s."""
-    latencies, tokens = [], 0
+@dataclass
+class Calls:
+    latencies: list[float] = field(default_factory=list)
+    tokens: int = 0
+    seconds: float = 0.0
+
+    def add(self, other: Calls) -> None:
+        self.latencies += other.latencies
+        self.tokens += other.tokens
+        self.seconds += other.seconds
+
+    def figures(self) -> dict:
+        return {"p50_s": float(np.percentile(self.latencies, 50)), "p99_s": float(np.percentile(self.latencies, 99)),
+                "tokens_per_s": self.tokens / self.seconds, "requests": len(self.latencies)}
+
+
+async def interactive(url: str, callers: int, seconds: float, max_tokens: int) -> Calls:
+    """Closed-loop callers for `seconds`: each request's latency, and the tokens they got."""
+    calls = Calls()
     stop = time.monotonic() + seconds
     async with AsyncBatchClient(url) as client:
         async def caller(index: int) -> None:
-            nonlocal tokens
             while time.monotonic() < stop:
                 began = time.monotonic()
                 result = (await client.complete([INTERACTIVE[index % len(INTERACTIVE)]], max_tokens=max_tokens,
                                                 ignore_eos=True))[0]
-                latencies.append(time.monotonic() - began)
-                tokens += result.completion_tokens if isinstance(result, Completion) else 0
+                calls.latencies.append(time.monotonic() - began)
+                calls.tokens += result.completion_tokens if isinstance(result, Completion) else 0
 
         began = time.monotonic()
         await asyncio.gather(*(caller(i) for i in range(callers)))
-        elapsed = time.monotonic() - began
-    return {"p50_s": float(np.percentile(latencies, 50)), "p99_s": float(np.percentile(latencies, 99)),
-            "tokens_per_s": tokens / elapsed, "requests": len(latencies)}
+        calls.seconds = time.monotonic() - began
+    return calls
 
 
 def submit(api: BatchApi, source: Path) -> str:
@@ -96,58 +111,72 @@ def job_alone(url: str, source: Path, output: Path, lines: int, in_flight: int) 
     return lines / asyncio.run(job()).seconds
 
 
-def shared(api: BatchApi, url: str, source: Path, args: argparse.Namespace) -> tuple[dict, float]:
-    """The callers while a batch runs; the batch's lines/s over the same window."""
+def shared(api: BatchApi, url: str, source: Path, args: argparse.Namespace) -> tuple[Calls, int]:
+    """The callers while a batch runs, and the lines the batch answered meanwhile; the batch is
+    then cancelled and waited for, so that the next window starts with an idle engine."""
     batch_id = submit(api, source)
     _, start = wait_for(api, batch_id, lambda status, count: count > 0 or status in ENDED)
-    began = time.monotonic()
     calls = asyncio.run(interactive(url, args.callers, args.seconds, args.max_tokens))
-    window = time.monotonic() - began
     status, end = answered(api, batch_id)
     if status in ENDED:
         Console().print("[yellow]the batch ended before the callers did: use more --lines for a fair share[/]")
     else:
         api.call("POST", f"/batches/{batch_id}/cancel")
-    return calls, (end - start) / window
+        wait_for(api, batch_id)
+    return calls, end - start
 
 
 def run(args: argparse.Namespace) -> int:
+    """Each measurement `rounds` times, the two sides of each comparison taking turns, so that
+    both see the same machine (a shared one drifts)."""
     console = Console()
+    batch_rates, job_rates, shared_lines = [], [], 0
+    alone, with_batch = Calls(), Calls()
     with tempfile.TemporaryDirectory(prefix="batchstring-batch-bench-") as tmp, \
             LocalServer(config=args.config, data_dir=Path(tmp) / "data") as server:
         source = Path(tmp) / "batch.jsonl"
         write_file(source, args.lines, args.max_tokens)
         api = BatchApi(f"http://{server.http_url}")
-        console.print(f"interactive alone: {args.callers} callers, {args.seconds:g} s ...")
-        alone = asyncio.run(interactive(server.grpc_url, args.callers, args.seconds, args.max_tokens))
-        console.print(f"batch alone: {args.lines} lines ...")
-        batch_rate = batch_alone(api, source, args.lines)
-        console.print("the same file through `batchstring run --input` ...")
-        job_rate = job_alone(server.grpc_url, source, Path(tmp) / "job-out.jsonl", args.lines, args.job_in_flight)
-        console.print("interactive callers while a batch runs ...")
-        with_batch, shared_rate = shared(api, server.grpc_url, source, args)
-    table = Table(title=f"Batch API beside interactive traffic ({args.config}, {args.lines} lines, "
-                        f"max_tokens {args.max_tokens}, {args.callers} interactive callers)")
-    for col in ("", "alone", "with a batch running", "ratio"):
-        table.add_column(col, justify="right")
-    table.add_row("interactive p50", f"{alone['p50_s']:.3f} s", f"{with_batch['p50_s']:.3f} s",
-                  f"{with_batch['p50_s'] / alone['p50_s']:.2f}x")
-    table.add_row("interactive p99", f"{alone['p99_s']:.3f} s", f"{with_batch['p99_s']:.3f} s",
-                  f"{with_batch['p99_s'] / alone['p99_s']:.2f}x")
-    table.add_row("interactive tokens/s", f"{alone['tokens_per_s']:.0f}", f"{with_batch['tokens_per_s']:.0f}",
-                  f"{with_batch['tokens_per_s'] / alone['tokens_per_s']:.2f}x")
-    table.add_row("batch lines/s", f"{batch_rate:.1f}", f"{shared_rate:.1f}", f"{shared_rate / batch_rate:.2f}x")
-    table.add_row("batch tokens/s", f"{batch_rate * args.max_tokens:.0f}", f"{shared_rate * args.max_tokens:.0f}",
-                  f"{shared_rate / batch_rate:.2f}x")
-    table.add_row("`run --input` lines/s", f"{job_rate:.1f}", "", f"batch / run: {batch_rate / job_rate:.2f}x")
-    console.print(table)
+        for round_ in range(1, args.rounds + 1):
+            console.print(f"round {round_}/{args.rounds}: the batch alone, then `batchstring run --input` "
+                          f"({args.lines} lines each) ...")
+            batch_rates.append(batch_alone(api, source, args.lines))
+            job_rates.append(job_alone(server.grpc_url, source, Path(tmp) / f"job-{round_}.jsonl", args.lines,
+                                       args.job_in_flight))
+        for round_ in range(1, args.rounds + 1):
+            console.print(f"round {round_}/{args.rounds}: {args.callers} interactive callers alone, then beside a "
+                          f"batch ({args.seconds:g} s each) ...")
+            alone.add(asyncio.run(interactive(server.grpc_url, args.callers, args.seconds, args.max_tokens)))
+            calls, lines = shared(api, server.grpc_url, source, args)
+            with_batch.add(calls)
+            shared_lines += lines
+    figures = {"alone": alone.figures(), "with_batch": with_batch.figures(),
+               "batch_lines_per_s": float(np.median(batch_rates)), "job_lines_per_s": float(np.median(job_rates)),
+               "batch_shared_lines_per_s": shared_lines / with_batch.seconds}
+    console.print(table(figures, args))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"alone": alone, "with_batch": with_batch, "batch_lines_per_s": batch_rate,
-                                        "batch_shared_lines_per_s": shared_rate, "job_lines_per_s": job_rate,
-                                        "args": {k: str(v) for k, v in vars(args).items() if k != "func"}},
+        args.out.write_text(json.dumps({**figures, "args": {k: str(v) for k, v in vars(args).items() if k != "func"}},
                                        indent=2))
     return 0
+
+
+def table(f: dict, args: argparse.Namespace) -> Table:
+    alone, shared_ = f["alone"], f["with_batch"]
+    batch, together, job = f["batch_lines_per_s"], f["batch_shared_lines_per_s"], f["job_lines_per_s"]
+    out = Table(title=f"Batch API beside interactive traffic ({args.config}, {args.lines} lines, max_tokens "
+                      f"{args.max_tokens}, {args.callers} interactive callers, {args.rounds} rounds)")
+    for col in ("", "alone", "with a batch running", "ratio"):
+        out.add_column(col, justify="right")
+    for name, key in (("interactive p50", "p50_s"), ("interactive p99", "p99_s")):
+        out.add_row(name, f"{alone[key]:.3f} s", f"{shared_[key]:.3f} s", f"{shared_[key] / alone[key]:.2f}x")
+    out.add_row("interactive tokens/s", f"{alone['tokens_per_s']:.0f}", f"{shared_['tokens_per_s']:.0f}",
+                f"{shared_['tokens_per_s'] / alone['tokens_per_s']:.2f}x")
+    out.add_row("batch lines/s", f"{batch:.1f}", f"{together:.1f}", f"{together / batch:.2f}x")
+    out.add_row("batch tokens/s", f"{batch * args.max_tokens:.0f}", f"{together * args.max_tokens:.0f}",
+                f"{together / batch:.2f}x")
+    out.add_row("`run --input` lines/s", f"{job:.1f}", "", f"batch / run: {batch / job:.2f}x")
+    return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -155,6 +184,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lines", type=int, default=1000, help="batch size in lines (the issue's figure: 20000)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per answer, batch and interactive alike")
     p.add_argument("--callers", type=int, default=4, help="interactive closed-loop callers")
-    p.add_argument("--seconds", type=float, default=15.0, help="how long the callers call, alone and with a batch")
+    p.add_argument("--seconds", type=float, default=10.0, help="each window of interactive calls, alone and shared")
+    p.add_argument("--rounds", type=int, default=3, help="times each comparison is repeated, taking turns")
     p.add_argument("--job-in-flight", type=int, default=256, help="`batchstring run --input`'s --max-in-flight")
     p.add_argument("--out", type=Path, help="write the figures as JSON here")

@@ -220,7 +220,7 @@ def test_malformed_lines_fail_the_batch_at_validating_with_their_numbers(keyed):
     errors = [line["error"] for line in _output(sdk, batch.error_file_id)]
     assert [e["line"] for e in errors] == [2, 3, 4, 5, 6]
     assert "not valid JSON" in errors[0]["message"] and "repeats line 1" in errors[3]["message"]
-    assert "n is not supported" in errors[4]["message"]
+    assert "one completion of one prompt" in errors[4]["message"]
 
 
 def test_an_oversized_upload_is_refused_before_it_is_stored(keyed):

@@ -24,6 +24,7 @@ from batchstring.engine.block_manager import BlockManager
 from batchstring.engine.sampling import SamplingParams
 from batchstring.engine.sequence import Sequence
 from batchstring.frontdoor.auth import ENV
+from batchstring.frontdoor.batch_share import Admission
 from batchstring.frontdoor.batch_store import BatchStore
 from tests.conftest import BATCHSTRING, metric_reaches, start_server
 
@@ -62,6 +63,20 @@ def test_a_line_recorded_twice_counts_once(tmp_path):
     row = store.batch_row(row["id"])
     assert (row["completed"], row["failed"]) == (2, 1)
     assert list(store.results(row["id"], ok=True)) == ["{}", "{}"] and store.answered(row["id"]) == {1, 2, 3}
+
+
+def test_batch_lines_yield_the_engine_to_interactive_requests_and_take_it_back():
+    gate = Admission(share=1.0, fixed=None)
+    assert gate.limit == gate.rows == 64  # nobody else calls: the engine's rows
+    gate.observe(3, now=100.0)
+    assert gate.limit == 3  # as many lines as interactive requests
+    gate.observe(0, now=100.5)
+    assert gate.limit == 3  # a gap between a caller's requests does not open the gate
+    gate.observe(0, now=101.6)
+    assert gate.limit == 64
+    small = Admission(share=0.25)
+    small.observe(2, now=0.0)
+    assert small.limit == 1  # at least one line
 
 
 # ----- through a real server -----------------------------------------------------------------
@@ -296,3 +311,21 @@ def test_sigkill_mid_batch_then_restart_completes_each_line_exactly_once(keyed):
     with BatchClient(keyed.grpc_url, api_key=KEY_A) as client:
         expected = client.batchstring(prompts, max_tokens=32, ignore_eos=True)
     assert all(line["response"]["body"]["choices"][0]["text"] == expected[int(line["custom_id"])] for line in lines)
+
+
+def test_a_batch_past_its_window_expires_keeping_its_answers(keyed):
+    """The window ends while the server is down: on restart the batch expires, the answered lines
+    in its output file, the rest in its error file as batch_expired."""
+    sdk = _sdk(keyed)
+    batch = _submit(sdk, _lines(_prompts(300), 32, ignore_eos=True))
+    _wait(sdk, batch.id, until=lambda b: b.request_counts.completed >= 10)
+    keyed.stop(grace=0)
+    with sqlite3.connect(Path(keyed.data_dir) / "batchstring.db") as db:
+        db.execute("UPDATE batches SET expires_at = created_at WHERE id = ?", (batch.id,))
+    keyed.start()
+    done = _wait(_sdk(keyed), batch.id)
+    assert done.status == "expired" and done.expired_at is not None
+    answered, expired = _output(sdk, done.output_file_id), _output(sdk, done.error_file_id)
+    assert 10 <= len(answered) == done.request_counts.completed < 300
+    assert {e["error"]["code"] for e in expired} == {"batch_expired"} and len(expired) == done.request_counts.failed
+    assert sorted(int(x["custom_id"]) for x in answered + expired) == list(range(300))

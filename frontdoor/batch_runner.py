@@ -13,8 +13,10 @@ every unfinished batch and skips what is recorded, so each line is answered exac
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -132,7 +134,23 @@ class BatchRunner:
         self.cancels[batch_id] = asyncio.Event()
         task = asyncio.create_task(self._run(batch_id))
         self.tasks[batch_id] = task
-        task.add_done_callback(lambda _: (self.tasks.pop(batch_id, None), self.cancels.pop(batch_id, None)))
+        task.add_done_callback(lambda done: self._ended(batch_id, done))
+
+    def _ended(self, batch_id: str, task: asyncio.Task) -> None:
+        """Forgets a batch's task; one that broke (a bug, a full disk) fails its batch, saying why,
+        rather than leaving it in_progress until the next restart."""
+        self.tasks.pop(batch_id, None)
+        self.cancels.pop(batch_id, None)
+        if task.cancelled() or task.exception() is None:
+            return
+        error = task.exception()
+        print(f"frontdoor: batch {batch_id} failed: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+        reason = {"code": "server_error", "message": f"the server could not run this batch ({type(error).__name__}: "
+                                                    f"{error}); the lines answered before are in its output file",
+                  "param": None, "line": None}
+        with contextlib.suppress(Exception):  # the store itself may be what broke
+            self.store.update(batch_id, errors=json.dumps({"object": "list", "data": [reason]}))
+            self._finalize(self.store.batch_row(batch_id), "failed")
 
     def cancel(self, batch_id: str) -> None:
         """cancelling now; cancelled once the lines in flight are stopped and the outputs written."""
@@ -198,6 +216,8 @@ class BatchRunner:
             for task in (feeding, cancelled, expiry):
                 task.cancel()
             await asyncio.gather(feeding, cancelled, expiry, return_exceptions=True)
+        if not feeding.cancelled() and feeding.exception():  # it broke: the batch fails (see _ended)
+            raise feeding.exception()
 
     async def _feed(self, row) -> None:
         answered = self.store.answered(row["id"])

@@ -266,6 +266,20 @@ def test_cancel_mid_way_keeps_the_answered_lines(keyed):
         sdk.batches.cancel(_wait(sdk, _submit(sdk, _lines(["z = "], 2)).id).id)
 
 
+def test_a_batch_that_breaks_mid_way_fails_saying_why_and_keeps_its_answers(keyed):
+    sdk = _sdk(keyed)
+    content = _lines(_prompts(300), 32, ignore_eos=True)
+    batch = _submit(sdk, content)
+    _wait(sdk, batch.id, until=lambda b: b.request_counts.completed >= 5)
+    with (Path(keyed.data_dir) / "files" / batch.input_file_id).open("r+b") as f:  # corrupted behind its back
+        f.seek(len(content) - 2000)
+        f.write(b"x" * 1000)
+    done = _wait(sdk, batch.id)
+    assert done.status == "failed" and done.failed_at is not None
+    assert "could not run this batch" in done.errors.data[0].message
+    assert len(_output(sdk, done.output_file_id)) == done.request_counts.completed >= 5
+
+
 def test_the_cli_submits_waits_downloads_and_lists(keyed, tmp_path):
     source = tmp_path / "input.jsonl"
     source.write_bytes(_lines(_prompts(6), 8))

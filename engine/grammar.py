@@ -116,11 +116,13 @@ class GrammarCompiler:
         except ValueError as exc:
             raise InvalidRequest(f"{field} is not valid: {_first_line(exc)}") from None
         matcher = llg.LLMatcher(tokenizer, grammar, log_level=0)
-        if not matcher.is_error():
-            # The first mask: proves the grammar admits some text, and warms the template's caches.
-            fill_masks([Constraint(matcher, guide.kind, self.words)])
         if matcher.is_error():
             raise InvalidRequest(f"{field} is not usable: {_first_line(matcher.get_error())}")
+        # The first mask: proves the grammar admits some text, and warms the template's caches.
+        fill_masks([Constraint(matcher, guide.kind, self.words)])
+        if matcher.is_error():
+            raise InvalidRequest(f"{field} admits no text at all: no token can start it "
+                                 f"({matcher.get_error().split(maxsplit=1)[0]})")
         elapsed = time.monotonic() - began
         if elapsed > self.compile_seconds:
             raise InvalidRequest(f"{field} took {elapsed:.1f} s to compile; at most {self.compile_seconds:g} s "

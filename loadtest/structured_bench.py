@@ -11,12 +11,15 @@ unconstrained twin in the same run:
 - arrival: `--concurrency` requests decoding, then as many new requests arrive at once; with new,
   distinct JSON schemas (each compiled on arrival) or without. The p99 step time of the steps
   while they join and run; the ratio is what new grammars cost the requests already running.
+
+A JSON completion ends when its schema is complete, so each unconstrained twin generates exactly
+as many tokens as its constrained run did (max_tokens set to that count, end of sequence
+ignored): both sides do the same model work and differ only by the grammar.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import threading
 import time
@@ -50,6 +53,9 @@ class Driven:
     seconds: float
     step_seconds: list[float]
 
+    def add(self, other: Driven) -> Driven:
+        return Driven(self.tokens + other.tokens, self.seconds + other.seconds, self.step_seconds + other.step_seconds)
+
 
 class Bench:
     """A serving engine whose steps are timed."""
@@ -74,53 +80,54 @@ class Bench:
         self.tokens = 0
         self._lock = threading.Lock()
 
-    def submit(self, prompt: str, params: SamplingParams, done: threading.Semaphore | None = None) -> None:
+    def submit(self, prompt: str, params: SamplingParams, done: threading.Semaphore,
+               lengths: dict[int, int], index: int) -> None:
         def sink(out: RequestOutput) -> None:
             if out.finished:
                 with self._lock:
                     self.tokens += out.num_output_tokens
-                if done is not None:
-                    done.release()
+                    lengths[index] = out.num_output_tokens
+                done.release()
 
         self.engine.submit(self.engine.core.make_sequence(prompt, params, sink))
 
-    def closed_loop(self, prompts: list[str], params: list[SamplingParams], concurrency: int,
-                    seconds: float) -> Driven:
-        """`concurrency` requests in flight for `seconds`; tokens counted for requests that finished."""
-        done = threading.Semaphore(0)
-        source = itertools.cycle(zip(prompts, itertools.cycle(params)))
+    def closed_loop(self, items: list[tuple[str, SamplingParams]], concurrency: int,
+                    seconds: float) -> tuple[Driven, dict[int, int]]:
+        """`concurrency` of `items` in flight for `seconds`, in order; tokens of finished requests."""
+        done, lengths = threading.Semaphore(0), {}
         self.tokens, self.steps = 0, []
         began = time.perf_counter()
-        for _ in range(concurrency):
-            self.submit(*next(source), done)
-        while time.perf_counter() - began < seconds:
+        for k in range(concurrency):
+            self.submit(*items[k], done, lengths, k)
+        k = concurrency
+        while time.perf_counter() - began < seconds and k < len(items):
             if done.acquire(timeout=0.05):
-                self.submit(*next(source), done)
+                self.submit(*items[k], done, lengths, k)
+                k += 1
         elapsed = time.perf_counter() - began
         tokens = self.tokens
         for _ in range(concurrency):  # drain what is in flight before the next measurement
             done.acquire()
-        return Driven(tokens, elapsed, [s for _, s in self.steps])
+        return Driven(tokens, elapsed, [s for _, s in self.steps]), lengths
 
     def arrival(self, prompts: list[str], running: SamplingParams, arriving: list[SamplingParams],
-                settle_steps: int) -> list[float]:
+                settle_steps: int) -> tuple[list[float], dict[int, int]]:
         """Step times from the moment `arriving` requests are made (on this thread, as Triton's
         would) while `len(arriving)` requests are decoding, until they have all finished."""
-        done = threading.Semaphore(0)
+        done, arrived, lengths = threading.Semaphore(0), threading.Semaphore(0), {}
         for i in range(len(arriving)):
-            self.submit(prompts[i % len(prompts)], running, done)
+            self.submit(prompts[i % len(prompts)], running, done, {}, i)
         while len(self.steps) < settle_steps:
             time.sleep(0.01)
         self.steps = []
-        arrived = threading.Semaphore(0)
         for i, params in enumerate(arriving):
-            self.submit(prompts[-1 - i % len(prompts)], params, arrived)
+            self.submit(prompts[-1 - i % len(prompts)], params, arrived, lengths, i)
         for _ in arriving:
             arrived.acquire()
         window = [s for _, s in self.steps]
         for _ in arriving:
             done.acquire()
-        return window
+        return window, lengths
 
     def stop(self) -> None:
         self.engine.stop()
@@ -134,23 +141,35 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     prompts = [item.prompt for item in mixed(256, seed=3)]
     rate = lambda **v: parse_sampling_parameters(json.dumps(v), 512, 16)  # noqa: E731
-    plain = rate(max_tokens=args.max_tokens, temperature=args.temperature)
+
+    def twin(lengths: dict[int, int], k: int) -> SamplingParams:
+        """The unconstrained twin of constrained request k: as many tokens as it generated."""
+        seen = list(lengths.values()) or [args.max_tokens]
+        done = lengths.get(k) or seen[k % len(seen)]
+        return rate(max_tokens=max(1, done), temperature=args.temperature, ignore_eos=True)
+
     structured = [rate(max_tokens=args.max_tokens, temperature=args.temperature, json_schema=schema(i))
                   for i in range(4)]
     bench = Bench(args.model_dir, 2 * args.concurrency)
+    count = 4096  # more than any run can finish
     try:
-        console.print(f"throughput at concurrency {args.concurrency}, {args.seconds:g} s each...")
-        free = bench.closed_loop(prompts, [plain], args.concurrency, args.seconds)
-        constrained = bench.closed_loop(prompts, structured, args.concurrency, args.seconds)
+        console.print(f"throughput at concurrency {args.concurrency}: {args.rounds} rounds of {args.seconds:g} s "
+                      "each, alternating (a shared machine drifts)...")
+        constrained, free = Driven(0, 0.0, []), Driven(0, 0.0, [])
+        for _ in range(args.rounds):
+            one, lengths = bench.closed_loop([(prompts[k % len(prompts)], structured[k % len(structured)])
+                                              for k in range(count)], args.concurrency, args.seconds)
+            other, _ = bench.closed_loop([(prompts[k % len(prompts)], twin(lengths, k)) for k in range(count)],
+                                         args.concurrency, args.seconds)
+            constrained, free = constrained.add(one), free.add(other)
         console.print(f"{args.concurrency} new requests arriving at once while {args.concurrency} decode...")
         long = rate(max_tokens=args.max_tokens * 4, temperature=args.temperature, ignore_eos=True)
-        new_plain = [rate(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True)] * args.concurrency
         new_schemas = [rate(max_tokens=args.max_tokens, temperature=args.temperature,
                             json_schema=schema(1000 + i)) for i in range(args.concurrency)]
-        base = bench.arrival(prompts, long, new_plain, settle_steps=5)
         compiled_before = bench.engine.core.grammars.compiled
-        fresh = bench.arrival(prompts, long, new_schemas, settle_steps=5)
+        fresh, arrived = bench.arrival(prompts, long, new_schemas, settle_steps=5)
         compiled = bench.engine.core.grammars.compiled - compiled_before
+        base, _ = bench.arrival(prompts, long, [twin(arrived, i) for i in range(args.concurrency)], settle_steps=5)
     finally:
         bench.stop()
     table = Table(title="structured output: cost, side by side (one run)")
@@ -177,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-dir", type=Path, default=MODEL_VERSION_DIR)
     p.add_argument("--concurrency", type=int, default=64)
-    p.add_argument("--seconds", type=float, default=30.0, help="length of each throughput measurement")
+    p.add_argument("--seconds", type=float, default=20.0, help="length of each throughput measurement")
+    p.add_argument("--rounds", type=int, default=2, help="constrained / unconstrained pairs, alternating")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--out", type=Path, help="write the numbers as JSON here")

@@ -281,7 +281,7 @@ BAD = [  # (sampling options, what the error names)
     ({"regex": "([a-z]+"}, "sampling_parameters.regex"),
     ({"grammar": "root ::= missing_rule"}, "sampling_parameters.grammar"),
     ({"grammar": 'start: "a"\nstart: "b" &'}, "sampling_parameters.grammar"),
-    ({"regex": "[^\\x00-\\U0010FFFF]"}, "sampling_parameters.regex"),  # admits no text at all
+    ({"regex": "[^\\x00-\\U0010FFFF]"}, "sampling_parameters.regex admits no text"),
     ({"json_schema": {"type": "object", "properties": {f"k{i}": {"type": "string", "pattern": "x" * 40}
                                                        for i in range(440)}}}, "at most 32768 bytes"),
     ({"logit_bias": {"4096": 5}}, "sampling_parameters.logit_bias"),

@@ -13,6 +13,8 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -104,6 +106,52 @@ def test_sigterm_under_load_loses_nothing_with_a_second_server(request, model_di
         assert ("cut at the deadline" in drained) == (drain < 1), drained
         print(f"busy stop: {took:.1f} s, {admitted} requests admitted at SIGTERM, {resent} sent again;",
               re.search(r"frontdoor: drained.*", log)[0])
+    finally:
+        stop(proc)
+
+
+def test_a_draining_server_is_unready_refuses_new_work_and_finishes_what_it_admitted(model_dir, tmp_path):
+    proc, ports, banner = serve(tmp_path, "--drain-seconds=60")
+    http = f"http://127.0.0.1:{ports[0]}"
+    prompts = [f"def admitted_{i}():" for i in range(48)]
+
+    def refused(path: str, body: bytes | None = None) -> tuple[int, str]:
+        with pytest.raises(urllib.error.HTTPError) as refusal:
+            urllib.request.urlopen(urllib.request.Request(http + path, data=body), timeout=10)
+        return refusal.value.code, refusal.value.read().decode()
+
+    async def admit_then_stop() -> tuple[list, dict, float, float]:
+        async with AsyncBatchClient(f"127.0.0.1:{ports[1]}") as client:
+            call = asyncio.create_task(client.complete(prompts, max_tokens=400, ignore_eos=True))
+            generated = 0.0
+            while generated < 2 * len(prompts):  # every request admitted and running
+                await asyncio.sleep(0.1)
+                generated = (await asyncio.to_thread(metrics, f"http://127.0.0.1:{ports[2]}/metrics")).get(
+                    "batchstring_generated_tokens_total", 0)
+            signalled = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.5)
+            seen = {"http ready": await asyncio.to_thread(refused, "/v2/models/llm/ready"),
+                    "http generate": await asyncio.to_thread(refused, "/v2/models/llm/generate",
+                                                             b'{"text_input": "late", "max_tokens": 4}'),
+                    "live": urllib.request.urlopen(http + "/v2/health/live", timeout=10).status,
+                    "grpc ready": await client.ready(), "call done": call.done()}
+            results = await call
+            finished = time.monotonic() - signalled
+            await asyncio.to_thread(proc.wait, 60)
+            return results, seen, finished, time.monotonic() - signalled
+
+    try:
+        assert "llm ready" in banner, banner
+        results, seen, finished, took = asyncio.run(admit_then_stop())
+        assert proc.returncode == 0
+        assert not seen["call done"], "the admitted requests were still running while it drained"
+        assert seen["http ready"][0] == 503 and seen["grpc ready"] is False, "readiness off at once"
+        status, body = seen["http generate"]
+        assert status == 503 and "UNAVAILABLE: the server is shutting down" in body, "new requests: retryable"
+        assert seen["live"] == 200
+        assert [(r.finish_reason, r.completion_tokens) for r in results] == [("length", 400)] * len(prompts)
+        assert took <= finished + STOP_BOUND, f"stopped {took - finished:.1f} s after its last request finished"
     finally:
         stop(proc)
 

@@ -17,8 +17,8 @@
 #     give 15 s (room for a longer BATCHSTRING_DRAIN_SECONDS: keep grace >= drain + 5)
 #   - nothing outlives this script: both children get a parent-death signal (setpriv --pdeathsig),
 #     and the model process ends itself when tritonserver is gone (model.py), here or as PID 1
-#   - the container exits when either process exits, or when the model stays unready for
-#     BATCHSTRING_EXIT_WHEN_UNREADY seconds (default 60): restart policies act on exits only
+#   - the container exits when either process exits, or when the model, once ready, stays unready
+#     for BATCHSTRING_EXIT_WHEN_UNREADY seconds (default 60): restart policies act on exits only
 set -euo pipefail
 SOCKETS="${BATCHSTRING_SOCKETS:-/tmp/batchstring}"
 mkdir -p -m 700 "$SOCKETS"

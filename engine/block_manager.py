@@ -22,6 +22,7 @@ computes at least its last token, so nobody writes into a block another sequence
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from array import array
 from collections import OrderedDict
@@ -185,8 +186,14 @@ class BlockManager:
 
 def block_key(parent: bytes, tokens: tuple[int, ...], salt: bytes) -> bytes:
     """The key of a full block: 128 bits of BLAKE2b over the previous block's key and this block's
-    tokens, keyed by the salt (BLAKE2b's key is at most 64 bytes, so a longer salt is hashed first)."""
-    key = salt if len(salt) <= 64 else hashlib.blake2b(salt).digest()
-    digest = hashlib.blake2b(parent, digest_size=16, key=key)
+    tokens, keyed by the salt."""
+    digest = _keyed(salt).copy()  # cheaper than keying a new one for every block
+    digest.update(parent)
     digest.update(array("q", tokens).tobytes())
     return digest.digest()
+
+
+@functools.lru_cache(maxsize=4096)
+def _keyed(salt: bytes) -> hashlib.blake2b:
+    """A BLAKE2b state keyed by the salt (its key is at most 64 bytes: a longer salt is hashed first)."""
+    return hashlib.blake2b(digest_size=16, key=salt if len(salt) <= 64 else hashlib.blake2b(salt).digest())

@@ -18,10 +18,15 @@ SHARED = ""  # the one tenant when API keys are off
 
 
 def owner(request: web.Request, keys: ApiKeys) -> str:
-    """The tenant of an authorised request (the auth middleware has checked its key)."""
+    """The tenant of an authorised HTTP request (the auth middleware has checked its key)."""
+    return tenant(request.headers.get("Authorization"), keys)
+
+
+def tenant(authorization: str | None, keys: ApiKeys) -> str:
+    """The tenant of an authorised `Authorization: Bearer <key>` (HTTP header or gRPC metadata)."""
     if not keys.enabled:
         return SHARED
-    token = request.headers.get("Authorization", "").partition(" ")[2].strip()
+    token = (authorization or "").partition(" ")[2].strip()
     return hashlib.blake2b(token.encode(), digest_size=16, person=b"bs-owner").hexdigest()
 
 

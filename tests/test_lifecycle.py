@@ -60,10 +60,10 @@ def test_idle_sigterm_stops_serve_within_3_seconds_and_leaves_nothing(model_dir,
         stop(proc)
 
 
-@pytest.mark.parametrize("drain", [6.0, 0.2], ids=["admitted-finish", "cut-at-deadline"])
+@pytest.mark.parametrize("drain", [6.0, 0.0], ids=["admitted-finish", "cut-at-deadline"])
 def test_sigterm_under_load_loses_nothing_with_a_second_server(request, model_dir, tmp_path, drain):
     """One `batchstring` call across two servers; one is stopped mid-call. Its admitted requests
-    finish (or, past a short drain deadline, are cut and sent again), new ones are refused as
+    finish (or, with no time to drain, are cut and sent again), new ones are refused as
     retryable and go to the other server: every item comes back once, equal to the other
     server's answer."""
     other = start_server(request, "lifecycle-other", config="cpu")
@@ -75,10 +75,10 @@ def test_sigterm_under_load_loses_nothing_with_a_second_server(request, model_di
 
     async def call_and_stop() -> tuple[list[str], float, int]:
         # Few items in flight at a time: the call keeps sending new ones while the server drains.
-        async with AsyncBatchClient([f"127.0.0.1:{ports[1]}", other.grpc_url], max_in_flight=32) as client:
+        async with AsyncBatchClient([f"127.0.0.1:{ports[1]}", other.grpc_url], max_in_flight=16) as client:
             call = asyncio.create_task(client.batchstring(prompts, max_tokens=MAX_TOKENS, ignore_eos=True))
             generated = 0.0
-            while generated < 4 * MAX_TOKENS:  # the server to stop is busy with the call
+            while generated < MAX_TOKENS:  # the server to stop is busy with the call, most of it unsent
                 await asyncio.sleep(0.1)
                 generated = (await asyncio.to_thread(metrics, metrics_url)).get("batchstring_generated_tokens_total", 0)
             assert not call.done(), "the call ended before the stop: make it longer"
@@ -103,7 +103,7 @@ def test_sigterm_under_load_loses_nothing_with_a_second_server(request, model_di
         assert admitted > 0, "the stopped server had requests in flight"
         assert resent > 0, "requests refused (or cut) while it drained were sent again"
         drained = re.search(r"frontdoor: drained in .*", log)[0]
-        assert ("cut at the deadline" in drained) == (drain < 1), drained
+        assert ("cut at the deadline" in drained) == (drain == 0), drained
         print(f"busy stop: {took:.1f} s, {admitted} requests admitted at SIGTERM, {resent} sent again;",
               re.search(r"frontdoor: drained.*", log)[0])
     finally:

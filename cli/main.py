@@ -27,7 +27,8 @@ COMMANDS = {
     "genai-perf": ("batchstring.loadtest.genai_perf", "add_arguments", "run",
                    "NVIDIA genai-perf against the local server, compared with our client"),
     "gpu-check": ("batchstring.cli.gpu_check", "add_arguments", "run",
-                  "the GPU acceptance run: export float16, numerics on the device, host time, serving"),
+                  "the device check from a plain checkout: steps traced on the CPU, checked and benchmarked on "
+                  "the GPU (--device cpu --quick: on the CPU; --full: ONNX Runtime CUDA and tritonserver)"),
     "job-bench": ("batchstring.loadtest.job_bench", "add_arguments", "run",
                   "memory of `batchstring run --input` over files of growing length"),
     "batch-bench": ("batchstring.loadtest.batch_bench", "add_arguments", "run",

@@ -49,7 +49,7 @@ class EngineCore:
                                    self.speculator if self.speculator.enabled else None)
         self.stats = EngineStats()
         runner = runner or build_runner(config.runtime, model_dir, self.spec, num_blocks * config.block_size,
-                                        config.device, config.threads)
+                                        config.device, config.threads, self.cache.arena_bytes)
         self.runner = with_faults(runner, config.fault_marker)
         self.isolation = IsolatedStep(self.runner, self.scheduler, self.stats, self.spec.eos_token_ids)
         self.grammars = GrammarCompiler(model_dir / "tokenizer.json", self.spec.vocab_size, self.spec.eos_token_ids)

@@ -171,8 +171,9 @@ def sampling_inputs(seqs: list[Sequence], rng: np.random.Generator) -> SamplingI
     params = [s.params for s in seqs]
     ban = np.asarray([i for i, (s, p) in enumerate(zip(seqs, params))
                       if p.min_tokens and not p.ignore_eos and len(s.output_ids) < p.min_tokens], np.int64)
-    masks = _masks(seqs, params)
-    adjustments = _adjustments(seqs, params)
+    special = [i for i, p in enumerate(params) if not p.plain]
+    masks = _masks(seqs, params, special) if special else _NO_MASKS
+    adjustments = _adjustments(seqs, params, special) if special else _NO_ADJUSTMENTS
     chosen = [i for i, p in enumerate(params) if not p.greedy or p.logprobs is not None]
     if not chosen:
         return SamplingInputs(ban, *_NO_SAMPLING, *masks, *adjustments)
@@ -194,22 +195,22 @@ def sampling_inputs(seqs: list[Sequence], rng: np.random.Generator) -> SamplingI
     )
 
 
-def _masks(seqs: list[Sequence], params: list[SamplingParams]) -> tuple[np.ndarray, np.ndarray]:
+def _masks(seqs: list[Sequence], params: list[SamplingParams], special: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """The constrained rows and their grammars' masks (engine/grammar.py), all rows at once."""
-    rows = [i for i, p in enumerate(params) if p.guide is not None]
+    rows = [i for i in special if params[i].guide is not None]
     if not rows:
         return _NO_MASKS
     return np.asarray(rows, np.int64), fill_masks([seqs[i].output.constraint for i in rows])
 
 
-def _adjustments(seqs: list[Sequence], params: list[SamplingParams]) -> tuple[np.ndarray, ...]:
+def _adjustments(seqs: list[Sequence], params: list[SamplingParams], special: list[int]) -> tuple[np.ndarray, ...]:
     """(row, token) entries for logit_bias and the penalties, for the rows that ask for them.
 
     vLLM's definitions: presence and frequency penalties count the generated tokens; the repetition
     penalty applies to every token seen (prompt and generated). The host folds each row's
     coefficients into per-entry values; the step scatters them onto the logits (export/sampler.py).
     """
-    rows = [i for i, p in enumerate(params) if p.adjusts]
+    rows = [i for i in special if params[i].adjusts]
     if not rows:
         return _NO_ADJUSTMENTS
     parts = [_row_adjustments(i, seqs[i], params[i]) for i in rows]

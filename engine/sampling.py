@@ -12,6 +12,7 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 from batchstring.engine.errors import InvalidRequest
 
@@ -62,11 +63,16 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
+    @cached_property
     def adjusts(self) -> bool:
         """Whether the step changes this row's logits (logit_bias or a penalty)."""
         return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty
                     or self.repetition_penalty != 1.0)
+
+    @cached_property
+    def plain(self) -> bool:
+        """Neither constrained nor adjusted: what the per-step host work asks of most rows, once."""
+        return self.guide is None and not self.adjusts
 
 
 def _as_int(key: str, value: object, low: int, high: int, extra: str = "") -> int:

@@ -20,7 +20,6 @@ from batchstring.client.errors import (
     BatchstringError,
     DeadlineExceeded,
     InvalidArgument,
-    StreamBroken,
     TooLarge,
 )
 from batchstring.client.protocol import Completion, GenerationOptions, Piece, build_request, encode_text
@@ -282,8 +281,9 @@ class AsyncBatchClient:
         return request
 
     def _next_delay(self, conn: Connection, exc: BatchstringError, attempt: int, deadline: float) -> float:
-        if isinstance(exc, StreamBroken):
-            conn.mark_down(self.retry.initial_backoff)
+        # Any "not now" (a broken stream, a full queue, a draining server): the next attempt prefers
+        # another server for a moment, if there is one.
+        conn.mark_down(self.retry.initial_backoff)
         delay = self.retry.backoff(attempt)
         if asyncio.get_running_loop().time() + delay >= deadline:
             raise DeadlineExceeded(f"deadline reached while retrying; last error: {exc}") from exc

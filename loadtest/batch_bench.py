@@ -133,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
     batch_rates, job_rates, shared_lines = [], [], 0
     alone, with_batch = Calls(), Calls()
     with tempfile.TemporaryDirectory(prefix="batchstring-batch-bench-") as tmp, \
-            LocalServer(config=args.config, data_dir=Path(tmp) / "data") as server:
+            LocalServer(config=args.config, data_dir=Path(tmp) / "data",
+                        front_door_options=("--batch-interactive-share", str(args.share))) as server:
         source = Path(tmp) / "batch.jsonl"
         write_file(source, args.lines, args.max_tokens)
         api = BatchApi(f"http://{server.http_url}")
@@ -165,7 +166,8 @@ def table(f: dict, args: argparse.Namespace) -> Table:
     alone, shared_ = f["alone"], f["with_batch"]
     batch, together, job = f["batch_lines_per_s"], f["batch_shared_lines_per_s"], f["job_lines_per_s"]
     out = Table(title=f"Batch API beside interactive traffic ({args.config}, {args.lines} lines, max_tokens "
-                      f"{args.max_tokens}, {args.callers} interactive callers, {args.rounds} rounds)")
+                      f"{args.max_tokens}, {args.callers} interactive callers, share {args.share:g}, "
+                      f"{args.rounds} rounds)")
     for col in ("", "alone", "with a batch running", "ratio"):
         out.add_column(col, justify="right")
     for name, key in (("interactive p50", "p50_s"), ("interactive p99", "p99_s")):
@@ -187,4 +189,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seconds", type=float, default=10.0, help="each window of interactive calls, alone and shared")
     p.add_argument("--rounds", type=int, default=3, help="times each comparison is repeated, taking turns")
     p.add_argument("--job-in-flight", type=int, default=256, help="`batchstring run --input`'s --max-in-flight")
+    p.add_argument("--share", type=float, default=1.0,
+                   help="the front door's --batch-interactive-share (default: %(default)s)")
     p.add_argument("--out", type=Path, help="write the figures as JSON here")

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import subprocess
 import time
 import urllib.request
@@ -43,8 +42,9 @@ from batchstring.server.local import LocalServer, free_ports
 CALLERS = (1, 16, 64)
 SYSTEMS = ("batchstring", "batchstring-ngram", "llama.cpp", "llama.cpp-ngram", "hf-generate")
 REFERENCE = "llama.cpp"
-# llama.cpp's own prompt-lookup speculation in the build this was measured with (`llama-server --help`).
-LLAMA_SPEC_ARGS = "--spec-type ngram-simple --draft-max 4"
+# llama.cpp's own prompt lookup in the build this was measured with (`llama-server --help`), sized as
+# ours: the last 3 tokens looked up, 4 drafted (its defaults, 12 and 48, suit long verbatim repeats).
+LLAMA_SPEC_ARGS = "--spec-type ngram-simple --spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m 4"
 
 
 class Run:
@@ -82,10 +82,11 @@ class Ours:
 class LlamaServer:
     """llama.cpp's HTTP server on a free loopback port, one slot per caller of the largest level."""
 
-    def __init__(self, binary: Path, gguf: Path, slots: int, context: int, extra: list[str], log: Path) -> None:
+    def __init__(self, binary: Path, gguf: Path, slots: int, context: int, threads: int, extra: list[str],
+                 log: Path) -> None:
         self.port = free_ports(1)[0]
         argv = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port),
-                "-np", str(slots), "-c", str(slots * context), "-t", str(os.cpu_count()), "--no-warmup", *extra]
+                "-np", str(slots), "-c", str(slots * context), "-t", str(threads), "--no-warmup", *extra]
         self.log = log.open("w")
         self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self._wait_ready()
@@ -177,7 +178,7 @@ def build(names: list[str], args: argparse.Namespace, out_dir: Path) -> dict:
         if name in names:
             if not (args.llama_server and args.gguf):
                 raise SystemExit(f"{name} needs --llama-server and --gguf (see BENCHMARKS.md for how they are built)")
-            server = LlamaServer(args.llama_server, args.gguf, max(args.callers), context, extra,
+            server = LlamaServer(args.llama_server, args.gguf, max(args.callers), context, args.llama_threads, extra,
                                  out_dir / f"{name}.log")
             systems[name] = LlamaCpp(server, codec)
     if "hf-generate" in names:
@@ -195,19 +196,22 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     with console.status(f"starting {', '.join(names)}..."):
         systems = build(names, args, out_dir)
+        for system in systems.values():  # first-call costs (allocations, connections) are nobody's result
+            system.measure(items[:2], 1)
     points: list[Point] = []
     agreement: dict[str, float] = {}
-    bar = tqdm(total=len(names) * len(args.callers), desc="peer-bench", unit="run")
+    bar = tqdm(total=len(names) * len(args.callers) * args.repeats, desc="peer-bench", unit="run")
     try:
         for callers in args.callers:
-            runs: dict[str, Run] = {}
-            for name, system in systems.items():
-                bar.set_postfix(callers=callers, system=name)
-                runs[name] = system.measure(items, callers)
-                bar.update()
-                points.append(summarize(name, callers, [(runs[name].samples, runs[name].seconds)]))
+            runs: dict[str, list[Run]] = {name: [] for name in names}
+            for _ in range(args.repeats):  # systems take turns, repeat after repeat
+                for name, system in systems.items():
+                    bar.set_postfix(callers=callers, system=name)
+                    runs[name].append(system.measure(items, callers))
+                    bar.update()
+            points += [summarize(name, callers, [(r.samples, r.seconds) for r in runs[name]]) for name in names]
             if callers == args.callers[0] and "batchstring" in runs:
-                agreement = same_text(runs)
+                agreement = same_text({name: r[0] for name, r in runs.items()})
     finally:
         bar.close()
         for system in systems.values():
@@ -217,7 +221,8 @@ def run(args: argparse.Namespace) -> int:
     table = markdown(points)
     meta = {"command": command(args), "machine": machine(), "prompts": args.prompts,
             "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
-            "llama_spec_args": args.llama_spec_args, "seconds": round(time.monotonic() - started, 1),
+            "llama_spec_args": args.llama_spec_args, "llama_threads": args.llama_threads,
+            "seconds": round(time.monotonic() - started, 1),
             "greedy_agreement_with_batchstring": agreement}
     (out_dir / "peer.json").write_text(json.dumps({"meta": meta, "points": [asdict(p) for p in points]}, indent=2))
     (out_dir / "peer.md").write_text(table + "\n")
@@ -248,7 +253,8 @@ def markdown(points: list[Point]) -> str:
 
 
 def command(args: argparse.Namespace) -> str:
-    parts = ["batchstring peer-bench", f"--prompts {args.prompts}", f"--max-tokens {args.max_tokens}",
+    parts = ["batchstring peer-bench", f"--prompts {args.prompts}", f"--repeats {args.repeats}",
+             f"--max-tokens {args.max_tokens}",
              "--callers " + " ".join(map(str, args.callers))]
     if args.systems:
         parts.append("--systems " + " ".join(args.systems))
@@ -261,9 +267,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gguf", type=Path, help="the shipped model converted to GGUF (f32), for llama-server")
     p.add_argument("--llama-spec-args", default=LLAMA_SPEC_ARGS,
                    help=f"llama-server flags for its own n-gram speculation (default: {LLAMA_SPEC_ARGS!r})")
+    p.add_argument("--llama-threads", type=int, default=1,
+                   help="llama-server threads (default 1: on 2 shared cores its spinning barrier with 2 threads "
+                        "collapsed whenever anything else ran, 46-61 against 685-831 tok/s for one caller)")
     p.add_argument("--systems", nargs="*", choices=SYSTEMS, help="measure only these (default: all)")
     p.add_argument("--callers", nargs="+", type=int, default=list(CALLERS), help="closed-loop callers per level")
     p.add_argument("--prompts", type=int, default=256, help="prompts per system and level")
+    p.add_argument("--repeats", type=int, default=1, help="runs per system and level; median tokens/s reported")
     p.add_argument("--prompt-tokens", nargs=2, type=int, default=[32, 192], metavar=("MIN", "MAX"))
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt (end of sequence ignored)")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",

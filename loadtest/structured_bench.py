@@ -154,14 +154,19 @@ def run(args: argparse.Namespace) -> int:
     count = 4096  # more than any run can finish
     try:
         console.print(f"throughput at concurrency {args.concurrency}: {args.rounds} rounds of {args.seconds:g} s "
-                      "each, alternating (a shared machine drifts)...")
-        constrained, free = Driven(0, 0.0, []), Driven(0, 0.0, [])
-        for _ in range(args.rounds):
-            one, lengths = bench.closed_loop([(prompts[k % len(prompts)], structured[k % len(structured)])
-                                              for k in range(count)], args.concurrency, args.seconds)
-            other, _ = bench.closed_loop([(prompts[k % len(prompts)], twin(lengths, k)) for k in range(count)],
-                                         args.concurrency, args.seconds)
-            constrained, free = constrained.add(one), free.add(other)
+                      "each, in turn first (a shared machine drifts)...")
+        constrained, free, lengths = Driven(0, 0.0, []), Driven(0, 0.0, []), {}
+        for r in range(args.rounds):  # the twins use the previous constrained run's lengths, so either goes first
+            runs = ["constrained", "free"] if r % 2 == 0 else ["free", "constrained"]
+            for run_kind in runs:
+                if run_kind == "constrained":
+                    one, lengths = bench.closed_loop([(prompts[k % len(prompts)], structured[k % len(structured)])
+                                                      for k in range(count)], args.concurrency, args.seconds)
+                    constrained = constrained.add(one)
+                else:
+                    other, _ = bench.closed_loop([(prompts[k % len(prompts)], twin(lengths, k))
+                                                  for k in range(count)], args.concurrency, args.seconds)
+                    free = free.add(other)
         console.print(f"{args.concurrency} new requests arriving at once while {args.concurrency} decode...")
         long = rate(max_tokens=args.max_tokens * 4, temperature=args.temperature, ignore_eos=True)
         new_schemas = [rate(max_tokens=args.max_tokens, temperature=args.temperature,
@@ -197,7 +202,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-dir", type=Path, default=MODEL_VERSION_DIR)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--seconds", type=float, default=20.0, help="length of each throughput measurement")
-    p.add_argument("--rounds", type=int, default=2, help="constrained / unconstrained pairs, alternating")
+    p.add_argument("--rounds", type=int, default=2, help="constrained / unconstrained pairs, each order in turn")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--out", type=Path, help="write the numbers as JSON here")

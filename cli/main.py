@@ -33,6 +33,9 @@ COMMANDS = {
                   "memory of `batchstring run --input` over files of growing length"),
     "batch-bench": ("batchstring.loadtest.batch_bench", "add_arguments", "run",
                     "interactive latency and batch throughput, alone and with a Batch API batch running"),
+    "structured-bench": ("batchstring.loadtest.structured_bench", "add_arguments", "run",
+                         "constrained decoding's cost: JSON-schema traffic beside the same unconstrained, and new "
+                         "schemas arriving while others decode"),
     "soak": ("batchstring.loadtest.soak", "add_arguments", "run",
              "minutes of load with model kills and injected OOM; audits every item"),
     "peer-bench": ("batchstring.loadtest.peer_bench", "add_arguments", "run",

@@ -13,8 +13,11 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import subprocess
+import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import jsonschema
 import numpy as np
@@ -315,3 +318,27 @@ def test_bad_structured_bodies_get_a_400_naming_the_field(server):
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(request, timeout=30)
         assert refused.value.code == 400 and json.loads(refused.value.read())["error"]["param"] == param
+
+
+def test_a_file_job_honours_response_format_and_refuses_n(server, tmp_path):
+    schema = SCHEMAS["enums"]
+    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": "llm", "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 60, "temperature": 1.0,
+                       "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}}
+             for i in range(6)]
+    lines.append({"custom_id": "many", "method": "POST", "url": "/v1/completions",
+                  "body": {"model": "llm", "prompt": "x", "max_tokens": 4, "n": 2}})
+    source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+    def run(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(Path(sys.executable).parent / "batchstring"), "run", "--url", server.grpc_url,
+                               "--input", str(source), "--output", str(output), *extra],
+                              capture_output=True, text=True, timeout=300)
+
+    refused = run()
+    assert refused.returncode != 0 and "n is not supported" in refused.stdout + refused.stderr
+    assert run("--skip-malformed").returncode == 0
+    answers = {a["custom_id"]: a for a in map(json.loads, output.read_text().splitlines())}
+    for i in range(6):
+        jsonschema.validate(json.loads(answers[f"c{i}"]["response"]["body"]["choices"][0]["text"]), schema)

@@ -27,6 +27,10 @@ import aiohttp
 
 from batchstring.client.defaults import MODEL
 
+# Batch lines per interactive request while both run. Measured on the CPU config (README, "Interactive
+# first"): 0.5 kept the interactive p99 within 1.3x of its value alone, 1.0 within 1.4-2.0x. On a GPU,
+# where a step's time grows far less with its rows, more is cheap: measure with batch-bench --share.
+DEFAULT_SHARE = 0.5
 SAMPLE_SECONDS = 0.02
 MEMORY_SECONDS = 1.0  # interactive load is remembered this long
 DEFAULT_ROWS = 64
@@ -46,7 +50,7 @@ async def engine_rows(triton_http: str) -> int | None:
 
 
 class Admission:
-    def __init__(self, share: float = 1.0, fixed: int | None = None, triton_http: str | None = None,
+    def __init__(self, share: float = DEFAULT_SHARE, fixed: int | None = None, triton_http: str | None = None,
                  interactive: Callable[[], int] | None = None) -> None:
         self.share, self.fixed, self.triton_http, self.interactive = share, fixed, triton_http, interactive
         self.rows = fixed or DEFAULT_ROWS

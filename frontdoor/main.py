@@ -28,7 +28,7 @@ from batchstring.client.defaults import MODEL
 from batchstring.frontdoor import grpc as grpc_side
 from batchstring.frontdoor.auth import ApiKeys
 from batchstring.frontdoor.batch_runner import BatchRunner
-from batchstring.frontdoor.batch_share import Admission
+from batchstring.frontdoor.batch_share import DEFAULT_SHARE, Admission
 from batchstring.frontdoor.batch_store import BatchStore, StoreLimits, default_data_dir
 from batchstring.frontdoor.batches import BatchRoutes
 from batchstring.frontdoor.chat import ChatTemplate
@@ -75,7 +75,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     batches.add_argument("--batch-max-in-flight", type=int,
                          help="a fixed bound on batch lines in flight, all batches together (default: the engine's "
                               "max_num_seqs while nobody else calls, a share of the interactive load otherwise)")
-    batches.add_argument("--batch-interactive-share", type=float, default=1.0,
+    batches.add_argument("--batch-interactive-share", type=float, default=DEFAULT_SHARE,
                          help="while interactive requests run, batch lines in flight per interactive request "
                               "(default: %(default)s)")
     p.add_argument("--drain-seconds", type=float, default=DRAIN_SECONDS,

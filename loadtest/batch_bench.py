@@ -27,6 +27,7 @@ from rich.table import Table
 from batchstring.client import AsyncBatchClient, Completion
 from batchstring.client.batches import ENDED, BatchApi
 from batchstring.client.jobs import run_job
+from batchstring.frontdoor.batch_share import DEFAULT_SHARE
 from batchstring.server.local import LocalServer
 
 INTERACTIVE = [f"# request {i}\ndef summarize(records):\n    " for i in range(16)]
@@ -189,6 +190,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seconds", type=float, default=10.0, help="each window of interactive calls, alone and shared")
     p.add_argument("--rounds", type=int, default=3, help="times each comparison is repeated, taking turns")
     p.add_argument("--job-in-flight", type=int, default=256, help="`batchstring run --input`'s --max-in-flight")
-    p.add_argument("--share", type=float, default=1.0,
+    p.add_argument("--share", type=float, default=DEFAULT_SHARE,
                    help="the front door's --batch-interactive-share (default: %(default)s)")
     p.add_argument("--out", type=Path, help="write the figures as JSON here")

@@ -207,11 +207,11 @@ def test_the_serving_engine_answers_every_waiter_and_tells_its_host_when_the_dev
                 done.set()
 
     served.start()
-    served.submit(*[served.make_sequence(p, GREEDY, sink) for p in ("def ", "import os\n", "class A:")])
+    served.submit(*[served.core.make_sequence(p, GREEDY, sink) for p in ("def ", "import os\n", "class A:")])
     assert done.wait(5) and told.wait(5)
     assert all(f.retryable and f.finish_reason == "abort" for f in finals)
     late = []
-    served.submit(served.make_sequence("x = 1", GREEDY, late.append))
+    served.submit(served.core.make_sequence("x = 1", GREEDY, late.append))
     assert late and late[0].retryable, "a broken engine refuses new work at once"
     served.stop()
 

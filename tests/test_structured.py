@@ -25,6 +25,7 @@ import openai
 import pytest
 
 from batchstring.client import AsyncBatchClient, InvalidArgument
+from batchstring.engine.errors import InvalidRequest
 from batchstring.engine.runner import FETCHED, OnnxRunner, RuntimeSpec
 from batchstring.engine.sampling import SamplingParams, parse_sampling_parameters
 from batchstring.server.stats import metrics
@@ -342,3 +343,10 @@ def test_a_file_job_honours_response_format_and_refuses_n(server, tmp_path):
     answers = {a["custom_id"]: a for a in map(json.loads, output.read_text().splitlines())}
     for i in range(6):
         jsonschema.validate(json.loads(answers[f"c{i}"]["response"]["body"]["choices"][0]["text"]), schema)
+
+
+def test_a_grammar_slower_to_compile_than_the_limit_is_refused_naming_the_field(model_dir):
+    eng = engine(model_dir)
+    eng.grammars.compile_seconds = 0.0  # every compilation takes longer than this
+    with pytest.raises(InvalidRequest, match=r"sampling_parameters\.regex took .* to compile; at most 0 s"):
+        eng.make_sequence("x", params(regex="[0-9]{2,5}"), Collector())

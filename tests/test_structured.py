@@ -24,7 +24,7 @@ import numpy as np
 import openai
 import pytest
 
-from batchstring.client import AsyncBatchClient, InvalidArgument
+from batchstring.client import AsyncBatchClient, BatchstringError, InvalidArgument
 from batchstring.engine.errors import InvalidRequest
 from batchstring.engine.runner import FETCHED, OnnxRunner, RuntimeSpec
 from batchstring.engine.sampling import SamplingParams, parse_sampling_parameters
@@ -299,10 +299,13 @@ def test_bad_inputs_get_invalid_argument_naming_the_field_and_cost_nobody_else(s
         async with AsyncBatchClient(server.grpc_url) as aio:
             good = aio.complete(PROMPTS, max_tokens=12, temperature=0, ignore_eos=True)
             bad = [aio.complete(["x"], max_tokens=4, return_exceptions=True, **options) for options, _ in BAD]
-            return await asyncio.gather(good, *bad)
+            stuck = aio.complete(["x = "], choice=["yes"], min_tokens=5, max_tokens=8, return_exceptions=True)
+            return await asyncio.gather(good, stuck, *bad)
 
-    good, *bad = asyncio.run(run())
+    good, (stuck,), *bad = asyncio.run(run())
     assert [r.text for r in good] == [r.text for r in client.complete(PROMPTS, max_tokens=12, ignore_eos=True)]
+    assert isinstance(stuck, BatchstringError) and "sampling_parameters.choice" in str(stuck)
+    assert "admits no further token" in str(stuck)
     for (options, names), (result,) in zip(BAD, bad):
         assert isinstance(result, InvalidArgument) and names in str(result), (options, result)
     assert server.model_ready()

@@ -161,10 +161,11 @@ def _cut_partial_line(path: Path) -> None:
         f.truncate(0)
 
 
-def output_line(item: Item, result: Completion | BaseException, model: str) -> dict:
+def output_line(item: Item, result: Completion | BaseException, model: str, chat: bool = False) -> dict:
+    """One line of the OpenAI batch output format; `chat`: the answer in the chat completion shape."""
     request_id = f"batch_req_{uuid.uuid4().hex}"
     if isinstance(result, Completion):
-        response = {"status_code": 200, "request_id": request_id, "body": fmt.completion(model, [result])}
+        response = {"status_code": 200, "request_id": request_id, "body": fmt.completion(model, [result], chat)}
     else:
         status, code, message = fmt.failure(result)
         response = {"status_code": status, "request_id": request_id, "body": fmt.error_body(status, message, code=code)}

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from batchstring.client import AsyncBatchClient, Completion
-from batchstring.client import openai_format as fmt
 from batchstring.client.jobs import Item, Malformed, output_line
 from batchstring.client.protocol import BATCH
 from batchstring.frontdoor.batch_share import Admission
@@ -71,7 +70,7 @@ def parse_line(routes: OpenAIRoutes, endpoint: str, number: int, raw: bytes) -> 
         raise Malformed(number, "body must be a JSON object (the request body)")
     chat = endpoint == ENDPOINTS[1]
     try:
-        request = routes._parse(body, chat)
+        request = routes.parse(body, chat)
     except ApiError as exc:
         raise Malformed(number, f"body: {exc}") from None
     if len(request.prompts) != 1 or request.stream or request.echo:
@@ -247,7 +246,7 @@ class BatchRunner:
             result = exc
         finally:
             self.admission.release()
-        answer = json.dumps(_output(line, result, self.routes.model_name), ensure_ascii=False)
+        answer = json.dumps(output_line(line.item, result, self.routes.model_name, line.chat), ensure_ascii=False)
         self.store.record(row["id"], [(line.item.line, isinstance(result, Completion), answer)])
 
     def _finalize(self, row, final: str) -> None:
@@ -279,10 +278,3 @@ class BatchRunner:
                    for number, raw in read_lines(self.store.path(row["input_file_id"])) if number not in answered]
         self.store.record(row["id"], expired)
 
-
-def _output(line: Line, result: Completion | BaseException, model: str) -> dict:
-    """The job runner's output line; a chat batch's answers in the chat completion shape."""
-    answer = output_line(line.item, result, model)
-    if line.chat and isinstance(result, Completion):
-        answer["response"]["body"] = fmt.completion(model, [result], chat=True)
-    return answer

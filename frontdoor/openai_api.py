@@ -94,7 +94,7 @@ class OpenAIRoutes:
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
-            parsed = self._parse(await _json_body(request), chat)
+            parsed = self.parse(await _json_body(request), chat)
             # the caller's key salts its cached prefixes: no other key can reuse or time them
             parsed.options["cache_salt"] = cache_salt(owner(request, self.keys), parsed.options["cache_salt"])
             if parsed.stream:
@@ -108,7 +108,8 @@ class OpenAIRoutes:
 
     # ----- request -----------------------------------------------------------------------------
 
-    def _parse(self, body: dict, chat: bool) -> Request:
+    def parse(self, body: dict, chat: bool) -> Request:
+        """A completion or chat body, validated (the /v1 routes and the Batch API's lines read it alike)."""
         model = body.get("model")
         if model != self.model_name:
             raise ApiError(404, f"model {model!r} does not exist here; this server serves {self.model_name!r} "

@@ -106,7 +106,8 @@ def keyed(server, tmp_path_factory):
     door = subprocess.Popen([*FRONTDOOR, "--http-port", str(http), "--grpc-port", str(grpc_port),
                              "--metrics-port", str(metrics), "--triton-http", str(sockets.http),
                              "--triton-grpc", sockets.grpc_target, "--triton-metrics", str(sockets.metrics),
-                             "--chat-template", str(template)], env=env,
+                             "--chat-template", str(template), "--data-dir", str(tmp_path_factory.mktemp("data"))],
+                            env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{http}"
     deadline = time.monotonic() + 30

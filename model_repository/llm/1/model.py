@@ -81,7 +81,6 @@ class TritonPythonModel:
             ticket = self.responder.ticket(sender)
             try:
                 ticket.seq = self._sequence(request, ticket, group)
-                ticket.seq.cache_salt = _cache_salt(request)
             except InvalidRequest as exc:
                 _refuse(sender, str(exc), "INVALID_ARG")
             except Exception as exc:  # a bug must fail this request alone, never its batch-mates
@@ -128,6 +127,7 @@ class TritonPythonModel:
             include_input=include_input,
             group=group,
             deadline=time.monotonic() + deadline_us / 1e6 if isinstance(deadline_us, int) and deadline_us > 0 else None,
+            cache_salt=_cache_salt(request),
         )
 
     def _broken(self, why: str) -> None:

@@ -89,7 +89,7 @@ def test_compose_stop_grace_period_covers_the_drain():
 
 def test_kubernetes_pods_are_locked_down_and_can_be_drained():
     docs = {d["kind"]: d for p in (DOCKER / "k8s").glob("*.yaml") for d in yaml.safe_load_all(p.read_text()) if d}
-    pod = docs["Deployment"]["spec"]["template"]["spec"]
+    pod = docs["StatefulSet"]["spec"]["template"]["spec"]
     container = pod["containers"][0]
     assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
@@ -101,6 +101,19 @@ def test_kubernetes_pods_are_locked_down_and_can_be_drained():
     pdb, hpa = docs["PodDisruptionBudget"]["spec"], docs["HorizontalPodAutoscaler"]["spec"]
     drainable = pdb.get("maxUnavailable", 0) >= 1 or hpa["minReplicas"] > pdb.get("minAvailable", 0)
     assert drainable and hpa["minReplicas"] >= 2, "a node drain must be able to evict a pod while one keeps serving"
+    assert hpa["scaleTargetRef"]["kind"] == "StatefulSet"
+
+
+def test_each_pod_keeps_its_batch_store_through_restarts_and_rolling_updates():
+    docs = {d["kind"]: d for p in (DOCKER / "k8s").glob("*.yaml") for d in yaml.safe_load_all(p.read_text()) if d}
+    spec = docs["StatefulSet"]["spec"]
+    claims = {c["metadata"]["name"] for c in spec["volumeClaimTemplates"]}
+    container = spec["template"]["spec"]["containers"][0]
+    store = next(m for m in container["volumeMounts"] if m["mountPath"] == "/data")
+    assert store["name"] in claims, "the store is a claim of the pod's own, not an emptyDir or an ephemeral volume"
+    assert spec["persistentVolumeClaimRetentionPolicy"]["whenScaled"] == "Retain"
+    env = {e["name"]: e.get("value") for e in container.get("env", [])}
+    assert env.get("BATCHSTRING_DATA_DIR", "/data") == "/data"
 
 
 def test_gpu_config_is_the_cpu_config_but_for_the_instance_kind_and_a_memory_sized_cache():

@@ -65,5 +65,5 @@ async def send_all(url: str, requests: list[service_pb2.ModelInferRequest]) -> l
 
 def outcome(pieces: list[Piece]) -> tuple[str | None, str]:
     """(error message or None, completion text)."""
-    errors = [p.error for p in pieces if p.error]
+    errors = [str(p.error) for p in pieces if p.error is not None]
     return (errors[0] if errors else None), "".join(p.text for p in pieces)

@@ -324,6 +324,36 @@ def test_discovery_expands_a_name_to_every_address(monkeypatch):
     }
 
 
+# What the serving image installs a module under, when not its own name.
+IMAGE_PACKAGES = {"onnxruntime": "onnxruntime-gpu", "protobuf": "tritonclient"}  # protobuf: with tritonclient[grpc]
+
+
+def test_the_image_installs_every_package_the_serving_code_imports():
+    """The code the image runs (engine, front door, client, model.py) imports nothing that its
+    serving stage does not pip-install: a package missing there fails only on a GPU host."""
+    import ast
+    from importlib.metadata import packages_distributions
+
+    dockerfile = (DOCKER / "Dockerfile").read_text()
+    serving = dockerfile[dockerfile.rindex("FROM ") :]
+    installed = set(re.findall(r"([A-Za-z0-9_.\-]+(?:\[[a-z,]+\])?)==", serving.replace('"', "")))
+    modules = set()
+    for folder in ("engine", "frontdoor", "client", "model_repository/llm/1"):
+        for source in (DOCKER.parent / folder).glob("*.py"):
+            for node in ast.walk(ast.parse(source.read_text())):
+                if isinstance(node, ast.Import):
+                    modules |= {a.name.split(".")[0] for a in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    modules.add(node.module.split(".")[0])
+    ours = {"batchstring", "triton_python_backend_utils", "metrics", "responder"}
+    distributions = packages_distributions()
+    needed = {distributions[m][0].lower() for m in modules - set(sys.stdlib_module_names) - ours}
+    installed = {name.split("[")[0].lower() for name in installed}
+    missing = sorted(d for d in needed if IMAGE_PACKAGES.get(d, d) not in installed)
+    assert "llguidance" in needed and "torch" in needed, "the scan must see the engine's imports"
+    assert missing == [], f"the image's serving stage does not install {missing}"
+
+
 def test_every_file_the_dockerfile_copies_from_the_repository_exists():
     root = DOCKER.parent
     copies = []

@@ -22,5 +22,6 @@ def test_locust_smoke_run_has_requests_and_no_failures(server, tmp_path):
     assert (out / "report.html").stat().st_size > 0
     with (out / "locust_stats.csv").open() as f:
         rows = {row["Name"]: row for row in csv.DictReader(f)}
-    for kind in ("batchstring[", "openai["):  # both users ran: Triton's generate route and the OpenAI API
+    # every user ran: Triton's generate route, the OpenAI API, and JSON schemas through the OpenAI API
+    for kind in ("batchstring[", "openai[", "structured["):
         assert sum(int(r["Request Count"]) for name, r in rows.items() if name.startswith(kind)) > 0, kind

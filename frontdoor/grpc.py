@@ -15,12 +15,14 @@ on, and a stream whose requests outlast the drain is ended with UNAVAILABLE.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
 
+from batchstring.client.protocol import CACHE_SALT_PARAMETER as CACHE_SALT
+from batchstring.frontdoor import tenants
 from batchstring.frontdoor.auth import ApiKeys
 from batchstring.frontdoor.health import Drain, StreamRequests
 from batchstring.frontdoor.limits import Limits
@@ -46,25 +48,45 @@ class Passthrough(grpc.GenericRpcHandler):
             return _refuse(name in STREAM, grpc.StatusCode.UNAVAILABLE, Drain.MESSAGE)
         if name in UNARY + STREAM and name not in OPEN and not self.keys.allows(_authorization(details)):
             return _refuse(name in STREAM, grpc.StatusCode.UNAUTHENTICATED, self.keys.REFUSAL)
+        salt = self._salter(_authorization(details)) if name in ("ModelInfer", *STREAM) else _unchanged
         if name in UNARY:
-            return grpc.unary_unary_rpc_method_handler(self._unary(details.method))
+            return grpc.unary_unary_rpc_method_handler(self._unary(details.method, salt))
         if name in STREAM:
-            return grpc.stream_stream_rpc_method_handler(self._stream(details.method))
+            return grpc.stream_stream_rpc_method_handler(self._stream(details.method, salt))
         return None  # UNIMPLEMENTED: admin APIs (repository, shared memory, trace, logging) are not reachable
 
-    def _unary(self, method: str):
+    def _salter(self, authorization: str | None) -> Callable[[bytes], bytes]:
+        """With API keys on, each inference request gets its tenant's prefix-cache salt (mixed with the
+        request's own `cache_salt`), as the /v1 routes do: no key can reuse or time another's cached
+        prefixes. Requests are parsed only then; without keys they pass as they came."""
+        if not self.keys.enabled:
+            return _unchanged
+        tenant = tenants.tenant(authorization, self.keys)
+
+        def salted(request: bytes) -> bytes:
+            try:
+                message = service_pb2.ModelInferRequest.FromString(request)
+            except DecodeError:
+                return request  # Triton refuses it, as it would have
+            own = message.parameters[CACHE_SALT].string_param if CACHE_SALT in message.parameters else None
+            message.parameters[CACHE_SALT].string_param = tenants.cache_salt(tenant, own)
+            return message.SerializeToString()
+
+        return salted
+
+    def _unary(self, method: str, salt: Callable[[bytes], bytes]):
         call = self.channel.unary_unary(method)
 
         async def handle(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
             with self.drain.request():
                 try:
-                    return await call(request, timeout=context.time_remaining())
+                    return await call(salt(request), timeout=context.time_remaining())
                 except grpc.aio.AioRpcError as exc:
                     await context.abort(exc.code(), exc.details() or "")
 
         return handle
 
-    def _stream(self, method: str):
+    def _stream(self, method: str, salt: Callable[[bytes], bytes]):
         call = self.channel.stream_stream(method)
 
         async def handle(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
@@ -80,7 +102,7 @@ class Passthrough(grpc.GenericRpcHandler):
                         await write(_refusal(request))
                         continue
                     counted.sent()
-                    yield request
+                    yield salt(request)
 
             cut = False
 
@@ -109,6 +131,10 @@ class Passthrough(grpc.GenericRpcHandler):
 
     async def close(self) -> None:
         await self.channel.close()
+
+
+def _unchanged(request: bytes) -> bytes:
+    return request
 
 
 def _authorization(details: grpc.HandlerCallDetails) -> str | None:

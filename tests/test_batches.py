@@ -176,6 +176,23 @@ def test_a_chat_batch_answers_in_the_chat_completion_shape(keyed):
         assert body["choices"][0]["message"] == {"role": "assistant", "content": expected[int(line["custom_id"][1])]}
 
 
+def test_over_grpc_too_the_same_prompt_hits_the_prefix_cache_under_one_key_only(keyed):
+    """The gRPC front door salts each request with its key's tenant, as the /v1 routes do."""
+    from batchstring.client import BatchClient
+
+    prompt = f"# {uuid.uuid4().hex}\n" + "def mean(values):\n    total = 0\n    for v in values:\n" * 4
+    with BatchClient(keyed.grpc_url, api_key=KEY_A) as a, BatchClient(keyed.grpc_url, api_key=KEY_B) as b:
+        before = metric_reaches(keyed.metrics_url, HITS, 0)
+        a.batchstring([prompt], max_tokens=2)
+        time.sleep(1.5)  # the engine publishes its counters twice a second
+        after_a = metric_reaches(keyed.metrics_url, HITS, before)
+        b.batchstring([prompt], max_tokens=2)
+        time.sleep(1.5)
+        assert metric_reaches(keyed.metrics_url, HITS, after_a) == after_a  # no hit for the other key
+        a.batchstring([prompt], max_tokens=2)
+        assert metric_reaches(keyed.metrics_url, HITS, after_a + 16) >= after_a + 16  # its own blocks are found
+
+
 def test_the_same_prompt_hits_the_prefix_cache_under_one_key_only(keyed):
     """Block keys are salted per API key: key B's identical prompt finds none of key A's blocks."""
     prompt = f"# {uuid.uuid4().hex}\n" + "def total(values):\n    result = 0\n    for v in values:\n" * 4

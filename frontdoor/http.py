@@ -17,6 +17,7 @@ import aiohttp
 from aiohttp import web
 
 from batchstring.client.defaults import MODEL
+from batchstring.frontdoor import tenants
 from batchstring.frontdoor.auth import ApiKeys
 from batchstring.frontdoor.health import Drain, stub_alive
 from batchstring.frontdoor.limits import Limits
@@ -71,8 +72,11 @@ class Upstream:
         if self.session:
             await self.session.close()
 
-    async def forward(self, request: web.Request, body: bytes) -> web.StreamResponse:
+    async def forward(self, request: web.Request, body: bytes, tenant: str | None = None) -> web.StreamResponse:
+        """`tenant`: with API keys on, the caller's; its prefix-cache salt goes into the request."""
         headers = {name: request.headers[name] for name in FORWARDED_HEADERS if name in request.headers}
+        if tenant is not None and body:
+            body, headers = tenants.salt_http_body(request.path, headers, body, tenant)
         if request.path.endswith(("/generate", "/generate_stream")):
             headers["Content-Type"] = "application/json"  # Triton parses it as JSON whatever `curl -d` says
         try:
@@ -96,7 +100,8 @@ def make_app(upstream: Upstream, limits: Limits, openai: OpenAIRoutes | None = N
              keys: ApiKeys | None = None, drain: Drain | None = None) -> web.Application:
     async def handle(request: web.Request) -> web.StreamResponse:
         body = await request.read() if request.method == "POST" else b""
-        return await upstream.forward(request, body)
+        tenant = tenants.owner(request, keys) if keys is not None and keys.enabled else None
+        return await upstream.forward(request, body, tenant)
 
     async def readiness(request: web.Request) -> web.StreamResponse:
         if upstream.model_process_gone():

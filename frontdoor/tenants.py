@@ -9,6 +9,7 @@ by a digest of its key.
 from __future__ import annotations
 
 import hashlib
+import json
 
 from aiohttp import web
 
@@ -40,3 +41,23 @@ def cache_salt(tenant: str, requested: object = None) -> str | None:
         return None
     mixed = f"{tenant}\0{requested or ''}".encode()
     return hashlib.blake2b(mixed, digest_size=16, person=b"bs-cache").hexdigest()
+
+
+HEADER_LENGTH = "Inference-Header-Content-Length"  # KServe's binary extension: JSON header, then tensors
+
+
+def salt_http_body(path: str, headers: dict[str, str], body: bytes, tenant: str) -> tuple[bytes, dict[str, str]]:
+    """A v2 inference body (generate, generate_stream or infer) carrying its tenant's prefix-cache
+    salt, as the gRPC and /v1 routes do; a body Triton could not read either passes unchanged."""
+    length = int(headers.get(HEADER_LENGTH, len(body)))
+    try:
+        head = json.loads(body[:length])
+        generate = path.endswith(("/generate", "/generate_stream"))
+        target = head if generate else head.setdefault("parameters", {})
+        target["cache_salt"] = cache_salt(tenant, target.get("cache_salt"))
+    except (ValueError, TypeError, AttributeError):
+        return body, headers
+    salted = json.dumps(head).encode()
+    if HEADER_LENGTH in headers:
+        headers = {**headers, HEADER_LENGTH: str(len(salted))}
+    return salted + body[length:], headers

@@ -12,6 +12,7 @@ import os
 import sqlite3
 import subprocess
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -176,40 +177,39 @@ def test_a_chat_batch_answers_in_the_chat_completion_shape(keyed):
         assert body["choices"][0]["message"] == {"role": "assistant", "content": expected[int(line["custom_id"][1])]}
 
 
-def test_over_grpc_too_the_same_prompt_hits_the_prefix_cache_under_one_key_only(keyed):
-    """The gRPC front door salts each request with its key's tenant, as the /v1 routes do."""
+def _send_v1(server, key: str, prompt: str) -> None:
+    _sdk(server, key).completions.create(model="llm", prompt=prompt, max_tokens=2, temperature=0)
+
+
+def _send_grpc(server, key: str, prompt: str) -> None:
     from batchstring.client import BatchClient
 
-    prompt = f"# {uuid.uuid4().hex}\n" + "def mean(values):\n    total = 0\n    for v in values:\n" * 4
-    with BatchClient(keyed.grpc_url, api_key=KEY_A) as a, BatchClient(keyed.grpc_url, api_key=KEY_B) as b:
-        before = metric_reaches(keyed.metrics_url, HITS, 0)
-        a.batchstring([prompt], max_tokens=2)
-        time.sleep(1.5)  # the engine publishes its counters twice a second
-        after_a = metric_reaches(keyed.metrics_url, HITS, before)
-        b.batchstring([prompt], max_tokens=2)
-        time.sleep(1.5)
-        assert metric_reaches(keyed.metrics_url, HITS, after_a) == after_a  # no hit for the other key
-        a.batchstring([prompt], max_tokens=2)
-        assert metric_reaches(keyed.metrics_url, HITS, after_a + 16) >= after_a + 16  # its own blocks are found
+    with BatchClient(server.grpc_url, api_key=key) as client:
+        client.batchstring([prompt], max_tokens=2)
 
 
-def test_the_same_prompt_hits_the_prefix_cache_under_one_key_only(keyed):
-    """Block keys are salted per API key: key B's identical prompt finds none of key A's blocks."""
+def _send_generate(server, key: str, prompt: str) -> None:
+    body = json.dumps({"text_input": prompt, "max_tokens": 2, "temperature": 0}).encode()
+    request = urllib.request.Request(f"http://{server.http_url}/v2/models/llm/generate", data=body,
+                                     headers={"Authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert response.status == 200
+
+
+@pytest.mark.parametrize("send", [_send_v1, _send_grpc, _send_generate], ids=["v1", "grpc", "v2-generate"])
+def test_the_same_prompt_hits_the_prefix_cache_under_one_key_only(keyed, send):
+    """Block keys are salted per API key on every route: key B's identical prompt finds none of key
+    A's blocks, while key A finds its own."""
     prompt = f"# {uuid.uuid4().hex}\n" + "def total(values):\n    result = 0\n    for v in values:\n" * 4
-    a, b = _sdk(keyed, KEY_A), _sdk(keyed, KEY_B)
     before = metric_reaches(keyed.metrics_url, HITS, 0)
-    a.completions.create(model="llm", prompt=prompt, max_tokens=2, temperature=0)
+    send(keyed, KEY_A, prompt)
     time.sleep(1.5)  # the engine publishes its counters twice a second
     after_a = metric_reaches(keyed.metrics_url, HITS, before)
-    b.completions.create(model="llm", prompt=prompt, max_tokens=2, temperature=0)
+    send(keyed, KEY_B, prompt)
     time.sleep(1.5)
     assert metric_reaches(keyed.metrics_url, HITS, after_a) == after_a  # no hit for the other key
-    a.completions.create(model="llm", prompt=prompt, max_tokens=2, temperature=0)
+    send(keyed, KEY_A, prompt)
     assert metric_reaches(keyed.metrics_url, HITS, after_a + 16) >= after_a + 16  # its own blocks are found
-    salted = metric_reaches(keyed.metrics_url, HITS, 0)
-    a.completions.create(model="llm", prompt=prompt, max_tokens=2, temperature=0, extra_body={"cache_salt": "x"})
-    time.sleep(1.5)
-    assert metric_reaches(keyed.metrics_url, HITS, salted) == salted  # a request's own salt keeps it apart
 
 
 def test_another_key_can_neither_see_nor_touch_a_keys_files_and_batches(keyed):

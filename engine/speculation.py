@@ -118,8 +118,11 @@ class Speculator:
     def propose(self, work: list[Work]) -> dict[int, tuple[int, ...]]:
         """Drafts for the step's decoding rows, by index into `work`; none when they would take the
         step past `speculative_step_tokens` (see the module's policy)."""
+        tokens = sum(w.new for w in work)
+        if tokens + self.k > self.step_tokens:
+            return {}  # not even one row's drafts fit: a full batch costs nothing more
         rows = [i for i, w in enumerate(work) if w.new == 1 and w.samples and self._may_draft(w.seq)]
-        if not rows or sum(w.new for w in work) + len(rows) * self.k > self.step_tokens:
+        if not rows or tokens + len(rows) * self.k > self.step_tokens:
             return {}
         drafts = {}
         self._rng_states = {}

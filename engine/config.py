@@ -32,7 +32,7 @@ class EngineConfig:
     stall_seconds: float = 60.0  # a step running longer than this (work pending) means the engine is broken
     threads: int = 0  # intra-op threads for the runtime; 0 = the runtime's default
     speculative_tokens: int = 4  # n-gram draft tokens per decoding row and step; 0 = no speculation
-    speculative_step_tokens: int = 24  # drafts only while the step, drafts included, has at most this many tokens
+    speculative_step_tokens: int = 16  # drafts only while the step, drafts included, has at most this many tokens
 
     def __post_init__(self) -> None:
         if self.runtime not in RUNTIMES:

@@ -166,7 +166,7 @@ def test_sampled_tokens_keep_their_distribution_with_drafts(model_dir):
 
 
 def test_full_batches_and_requests_that_opt_out_never_draft(model_dir, prompts):
-    eng = engine(model_dir)  # the shipped budget: 24 tokens a step
+    eng = engine(model_dir)  # the shipped budget: 16 tokens a step
     eng.generate([eng.make_sequence(p, GREEDY, lambda out: None) for p in prompts[:16]])
     assert eng.speculator.stats.drafted == 0, "16 decoding rows fill the budget: no drafts"
     opted_out = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, speculative=False)

@@ -20,6 +20,9 @@ from batchstring.client.errors import BatchstringError, InvalidArgument, from_se
 DEADLINE_PARAMETER = "deadline_us"  # request parameter: microseconds left for this request
 CACHE_SALT_PARAMETER = "cache_salt"  # request parameter: only requests with the same salt share cached prefixes
 INTERACTIVE, BATCH = 1, 2  # Triton priority levels (config.pbtxt dynamic_batching): 1 is served first
+# The same level for the engine, which Triton does not pass its reserved `priority` parameter to:
+# the engine admits level 1 first and makes running level-2 rows give way to waiting level-1 ones.
+ENGINE_PRIORITY_PARAMETER = "engine_priority"
 
 
 @dataclass(frozen=True)
@@ -123,8 +126,9 @@ def build_request(request_id: str, text: bytes, options: GenerationOptions, stre
         # The engine drops the work once nobody can read it. Not Triton's own "timeout" parameter:
         # Triton 2.51's dynamic batcher holds requests that carry a short one for hundreds of ms.
         request.parameters[DEADLINE_PARAMETER].int64_param = timeout_us
-    if priority:  # Triton's reserved parameter: the dynamic batcher's queue level
+    if priority:  # Triton's reserved parameter: the dynamic batcher's queue level; and the engine's
         request.parameters["priority"].uint64_param = priority
+        request.parameters[ENGINE_PRIORITY_PARAMETER].int64_param = priority
     if cache_salt:
         request.parameters[CACHE_SALT_PARAMETER].string_param = cache_salt
     return request

@@ -59,7 +59,7 @@ class EngineCore:
 
     def make_sequence(self, prompt: str, params: SamplingParams, sink: OutputSink, *, request_id: str | None = None,
                       stream: bool = False, include_input: bool = False, group: int = 0,
-                      deadline: float | None = None, cache_salt: bytes = b"") -> Sequence:
+                      deadline: float | None = None, cache_salt: bytes = b"", priority: int = 1) -> Sequence:
         """Tokenises and checks a request against the model's and the cache's limits (any thread)."""
         size = len(prompt.encode("utf-8", errors="surrogatepass"))
         if size > self.config.max_input_bytes:
@@ -83,7 +83,8 @@ class EngineCore:
                               include_input=include_input)
         if params.guide is not None:  # compiled here, on the caller's thread: never on the step's path
             output.constraint = self.grammars.constraint(params.guide)
-        return Sequence(request_id, ids, params, output, group=group, deadline=deadline, cache_salt=cache_salt)
+        return Sequence(request_id, ids, params, output, group=group, deadline=deadline, cache_salt=cache_salt,
+                        priority=priority)
 
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)

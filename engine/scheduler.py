@@ -60,6 +60,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
+        self._background = 0  # background (priority > 1) sequences held, running or waiting
         self._admit_cap_until = 0.0
         self._admit_cap = config.max_num_seqs
         # Keep a few blocks free when admitting, so that admission does not force preemptions.
@@ -83,6 +84,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self._background += seq.priority > 1
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -92,6 +94,8 @@ class Scheduler:
         return [*self.running, *self.waiting]
 
     def schedule(self) -> ScheduledStep | None:
+        if self._background and self.policy.may_admit(self.running):
+            self._yield_to_interactive()  # before any row is scheduled: a preempted row is in no step
         budget = self.config.max_num_batched_tokens
         if self.config.enable_chunked_prefill and self.policy.chunks:
             work = self._decode_rows() + self._prefill_chunks()
@@ -114,7 +118,8 @@ class Scheduler:
         chunked = self.config.enable_chunked_prefill and self.policy.chunks
         cap = min(self.admit_cap, self.config.max_num_seqs - len(self.running))
         admitted: list[Work] = []
-        for seq in list(self.waiting):
+        # Interactive requests first; a stable sort keeps arrival order within a level.
+        for seq in sorted(self.waiting, key=_level) if self._background else list(self.waiting):
             if len(admitted) >= cap or (budget is not None and budget <= 0 and admitted):
                 break
             if admitted and not self.policy.may_join(seq, admitted[0].seq):
@@ -137,6 +142,16 @@ class Scheduler:
         if admitted:  # kept oldest first: preemption takes the youngest from the end
             self.running = sorted(self.running + [w.seq for w in admitted], key=lambda s: s.order)
         return admitted
+
+    def _yield_to_interactive(self) -> None:
+        """Background rows (Batch API lines) give way: for each interactive request that waits while
+        every seat is taken, the youngest background row is preempted (its computed blocks stay
+        cached, so it resumes cheaply once the interactive load lets it)."""
+        interactive = sum(1 for s in self.waiting if s.priority == 1)
+        short = interactive - (self.config.max_num_seqs - len(self.running))
+        if short > 0:
+            for seq in [s for s in reversed(self.running) if s.priority > 1][:short]:
+                self.preempt(seq)
 
     def _chunk_cap(self, pending: int) -> int:
         threshold = self.config.long_prefill_token_threshold
@@ -233,6 +248,10 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        else:
+            seq.status = Status.FINISHED  # never held here
+            return
+        self._background -= seq.priority > 1
         self.blocks.release(seq)
         seq.status = Status.FINISHED
 
@@ -269,3 +288,7 @@ class Scheduler:
             if self.blocks.prefix_caching and seq.num_cached // size > len(seq.block_hashes):
                 self.blocks.commit(seq)
         return ended
+
+
+def _level(seq: Sequence) -> int:
+    return seq.priority

@@ -36,6 +36,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache keys of its leading full blocks
+    priority: int = 1  # 1: interactive; higher: background (Batch API lines), which gives way to 1
     cache_salt: bytes = b""  # keys its prefix-cache blocks: only sequences with the same salt share them
     row: int | None = None  # its row in the block manager's table while it holds blocks
     num_cached: int = 0  # leading tokens whose K/V are in the cache

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -268,7 +269,7 @@ def test_a_seeded_sampled_request_gives_the_same_tokens_alone_and_among_forty_ot
         eng.step()
     assert max(eng.stats.step_sizes) >= 20, "the seeded request must really share steps with many others"
     assert seeded.output_ids == solo.output_ids
-    other_seed = eng.make_sequence(prompts[3], SamplingParams(**{**SEEDED.__dict__, "seed": 99}), lambda o: None)
+    other_seed = eng.make_sequence(prompts[3], dataclasses.replace(SEEDED, seed=99), lambda o: None)
     eng.generate([other_seed])
     assert other_seed.output_ids != solo.output_ids, "a different seed must sample differently"
 

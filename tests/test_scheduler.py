@@ -295,3 +295,39 @@ def test_requests_arriving_together_compute_their_shared_instruction_once():
         sched.update(step.work, sampled, np.full(len(sampled), 7))
     assert computed == 27 + 5 * 3, "the instruction is computed by one request and reused by the other five"
     assert all(s.blocks[:6] == batch[0].blocks[:6] for s in batch)
+
+
+def test_interactive_requests_are_admitted_first_and_take_seats_from_background_rows():
+    sched = make(max_num_seqs=4, max_num_batched_tokens=64)
+    background = [seq(3) for _ in range(6)]
+    for s in background:
+        s.priority = 2
+        sched.add(s)
+    assert set(fake_step(sched)) == set(background[:4]), "background rows fill an idle engine"
+    interactive = [seq(3) for _ in range(2)]
+    for s in interactive:
+        sched.add(s)
+    scheduled = sched.schedule()
+    assert all(w.seq.status is Status.RUNNING and w.seq.row is not None for w in scheduled.work), \
+        "a row that gave way is in no step"
+    sampled = [w.seq for w in scheduled.work if w.samples]
+    for s in sched.update(scheduled.work, sampled, np.full(len(sampled), 7)):
+        sched.retire(s)
+    step = scheduled.seqs
+    assert set(interactive) <= set(step), "interactive requests take seats at once, ahead of older background ones"
+    assert sched.preemptions == 2 and len(sched.running) == 4
+    assert {s for s in background[:4] if s not in sched.running} == {background[3], background[2]}, \
+        "the youngest background rows give way"
+    owned_blocks_are_consistent(sched)
+    while sched.has_work():
+        fake_step(sched)
+    assert all(s.finished for s in background + interactive), "background rows resume and finish"
+    assert sched.blocks.num_free == sched.blocks.num_blocks, "every block is free again"
+
+
+def test_without_background_requests_admission_stays_first_come_first_served():
+    sched = make(max_num_seqs=2)
+    first, second, third = seq(3), seq(3), seq(3)
+    for s in (first, second, third):
+        sched.add(s)
+    assert set(fake_step(sched)) == {first, second} and sched.preemptions == 0

@@ -128,6 +128,7 @@ class TritonPythonModel:
             group=group,
             deadline=time.monotonic() + deadline_us / 1e6 if isinstance(deadline_us, int) and deadline_us > 0 else None,
             cache_salt=_cache_salt(request),
+            priority=_priority(request_parameters),
         )
 
     def _broken(self, why: str) -> None:
@@ -143,6 +144,13 @@ class TritonPythonModel:
         self.engine.stop()
         self.responder.stop()
         self.metrics.stop()
+
+
+def _priority(request_parameters: dict) -> int:
+    """The engine's admission level (the client sends its Triton priority level here too, because
+    Triton keeps its reserved `priority` parameter to itself): 1 interactive, 2 background."""
+    level = request_parameters.get("engine_priority", 1)
+    return level if isinstance(level, int) and level >= 1 else 1
 
 
 def _cache_salt(request) -> bytes:

@@ -1,8 +1,11 @@
-"""OpenAI's JSON shapes for completions, usage, log-probabilities and errors.
+"""OpenAI's wire format: what a request body asks for, and the shapes of completions, usage,
+log-probabilities and errors.
 
-One definition for the two places that speak them: the front door's `/v1` routes and the
-`batchstring run --input` job's output lines (the OpenAI batch output format), so a line of a
-job's output and a response of the HTTP API are the same object.
+It is the protocol both sides speak, so it lives with the client (which installs alone): the
+client's file jobs write their output lines in it, and the server's `/v1` routes and Batch API
+answer in it, so a line of a job's output and a response of the HTTP API are the same object.
+What only a server does (routing, HTTP responses, streamed chunks, chat templates) is in
+frontdoor/.
 """
 
 from __future__ import annotations
@@ -148,8 +151,8 @@ def failure(exc: BaseException) -> tuple[int, str, str]:
     return 500, "internal_error", str(exc)
 
 
-def head(model: str, chat: bool, chunk: bool = False) -> dict:
-    kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chunk and chat else "")
+def head(model: str, chat: bool) -> dict:
+    kind = "chat.completion" if chat else "text_completion"
     return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "object": kind,
             "created": int(time.time()), "model": model}
 

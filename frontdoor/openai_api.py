@@ -164,7 +164,9 @@ class OpenAIRoutes:
         """Server-sent events, one per generated piece of any prompt, then usage and [DONE]."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-        head = fmt.head(self.model_name, req.chat, chunk=True)
+        head = fmt.head(self.model_name, req.chat)
+        if req.chat:  # a streamed chat answer comes in chunks of its own kind
+            head["object"] = "chat.completion.chunk"
         usage = []
         try:
             async for index, piece in _merged(self.client, req):

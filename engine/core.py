@@ -168,7 +168,8 @@ class EngineCore:
             for seq, reason in finished.items():
                 if not seq.finished:
                     error = seq.output.constraint.error if reason == "error" else None  # its grammar's dead end
-                    self._finish(seq, reason, error, ended_by_eos=reason == "stop")
+                    self._finish(seq, reason, error, ended_by_eos=reason == "stop",
+                                 code="INVALID_ARG" if error else None)
         for seq, exc in failed:
             self.stats.failures_isolated += 1
             self._finish(seq, "error", error=f"model step failed for this request: {exc}")
@@ -209,8 +210,8 @@ class EngineCore:
                 self._finish(seq, "stop", cut=True)
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None, *, ended_by_eos: bool = False,
-                cut: bool = False) -> None:
-        final = seq.output.final(seq.output_ids, reason, error, ended_by_eos=ended_by_eos, cut=cut)
+                cut: bool = False, code: str | None = None) -> None:
+        final = seq.output.final(seq.output_ids, reason, error, ended_by_eos=ended_by_eos, cut=cut, code=code)
         self.stats.record_finish(reason)
         if error is None and self.scheduler.keeps_as_padding(seq):
             seq.output.deferred = final  # static batching: answered with the rest of its batch

@@ -7,6 +7,7 @@ is byte-exact (engine/tokenizer.py): a multi-byte character is never split acros
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ class RequestOutput:
     error: str | None = None
     retryable: bool = False  # an error the caller may send again (overload, shutdown, a broken engine)
     logprobs: list[dict] | None = None  # one entry per token generated since the last response
+    code: str | None = None  # the error's kind when its reason does not say it (INVALID_ARG: a grammar's dead end)
 
 
 OutputSink = Callable[[RequestOutput], None]
@@ -92,7 +94,7 @@ class OutputStream:
         return True
 
     def final(self, output_ids: list[int], reason: str, error: str | None = None, *, retryable: bool = False,
-              ended_by_eos: bool = False, cut: bool = False) -> RequestOutput:
+              ended_by_eos: bool = False, cut: bool = False, code: str | None = None) -> RequestOutput:
         """The last response. `cut`: a stop string ended the text, so nothing held back follows it."""
         if error is None:
             if self.decoder is None:
@@ -101,7 +103,7 @@ class OutputStream:
                 self.text += self.decoder.flush()
         out = self._piece(finished=True, reason=reason, error=error, retryable=retryable,
                           num_output_tokens=len(output_ids))
-        return out
+        return dataclasses.replace(out, code=code) if code else out
 
     def _piece(self, finished: bool, reason: str | None = None, error: str | None = None, retryable: bool = False,
                num_output_tokens: int = 0) -> RequestOutput | None:

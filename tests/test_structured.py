@@ -24,7 +24,7 @@ import numpy as np
 import openai
 import pytest
 
-from batchstring.client import AsyncBatchClient, BatchstringError, InvalidArgument
+from batchstring.client import AsyncBatchClient, InvalidArgument
 from batchstring.engine.errors import InvalidRequest
 from batchstring.engine.runner import FETCHED, OnnxRunner, RuntimeSpec
 from batchstring.engine.sampling import SamplingParams, parse_sampling_parameters
@@ -304,7 +304,7 @@ def test_bad_inputs_get_invalid_argument_naming_the_field_and_cost_nobody_else(s
 
     good, (stuck,), *bad = asyncio.run(run())
     assert [r.text for r in good] == [r.text for r in client.complete(PROMPTS, max_tokens=12, ignore_eos=True)]
-    assert isinstance(stuck, BatchstringError) and "sampling_parameters.choice" in str(stuck)
+    assert isinstance(stuck, InvalidArgument) and "sampling_parameters.choice" in str(stuck), stuck
     assert "admits no further token" in str(stuck)
     for (options, names), (result,) in zip(BAD, bad):
         assert isinstance(result, InvalidArgument) and names in str(result), (options, result)

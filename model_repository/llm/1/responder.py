@@ -144,7 +144,7 @@ class Responder:
     def _response(self, out: RequestOutput):
         pb = self.pb
         if out.error:
-            code = "UNAVAILABLE" if out.retryable or out.finish_reason == "abort" else "INTERNAL"
+            code = out.code or ("UNAVAILABLE" if out.retryable or out.finish_reason == "abort" else "INTERNAL")
             return pb.InferenceResponse(error=error(pb, out.error, code))
         tensors = [_text(pb, "text_output", out.text)]
         if out.logprobs is not None:

@@ -56,6 +56,7 @@ class Admission:
         self.rows = fixed or DEFAULT_ROWS
         self.limit = self.rows
         self.in_flight = 0
+        self.paused = False
         self._room = asyncio.Event()
         self._recent: deque[tuple[float, int]] = deque()
         self._follower: asyncio.Task | None = None
@@ -80,8 +81,25 @@ class Admission:
         self.in_flight -= 1
         self._room.set()
 
+    def pause(self) -> None:
+        """No new lines (the server is draining): those in flight finish, nothing new starts; the
+        next start resumes the batches where they stopped."""
+        self.paused = True
+        self.limit = 0
+
+    async def settled(self, seconds: float) -> int:
+        """Waits up to `seconds` for the lines in flight to end; returns how many are still running."""
+        deadline = time.monotonic() + seconds
+        while self.in_flight and time.monotonic() < deadline:
+            self._room.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._room.wait(), deadline - time.monotonic())
+        return self.in_flight
+
     def observe(self, interactive: int, now: float) -> None:
         """A new count of interactive requests: the limit for the next lines."""
+        if self.paused:
+            return
         self._recent.append((now, interactive))
         while self._recent[0][0] < now - MEMORY_SECONDS:
             self._recent.popleft()
@@ -95,7 +113,7 @@ class Admission:
         """Sizes the gate from the model's config once it is loaded, then follows the load."""
         while self.triton_http and (rows := await engine_rows(self.triton_http)) is None:
             await asyncio.sleep(1.0)
-        if self.triton_http:
+        if self.triton_http and not self.paused:
             self.rows = self.limit = rows
             self._room.set()
         while self.interactive is not None:

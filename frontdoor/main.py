@@ -126,7 +126,11 @@ async def run(args: argparse.Namespace) -> int:
     started, admitted = time.monotonic(), drain.pending
     print(f"frontdoor: draining: readiness off, new requests refused; {admitted} admitted requests get up to "
           f"{args.drain_seconds:g} s", flush=True)
+    if batches is not None:
+        batches.runner.admission.pause()  # no new batch lines; those in flight finish within the drain
     left = await drain.wait(args.drain_seconds)
+    if batches is not None:
+        left += await batches.runner.admission.settled(max(0.0, started + args.drain_seconds - time.monotonic()))
     print(f"frontdoor: drained in {time.monotonic() - started:.1f} s"
           f"{f'; {left} requests cut at the deadline, their clients retry' if left else ''}", flush=True)
     await server.stop(grace=0.5 if left else None)  # streams cut at the deadline send their UNAVAILABLE

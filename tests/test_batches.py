@@ -7,6 +7,7 @@ server is SIGKILLed mid-batch and started again on the same data directory.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sqlite3
@@ -78,6 +79,26 @@ def test_batch_lines_yield_the_engine_to_interactive_requests_and_take_it_back()
     small = Admission(share=0.25)
     small.observe(2, now=0.0)
     assert small.limit == 1  # at least one line
+
+
+def test_a_draining_server_starts_no_batch_line_and_waits_for_those_in_flight():
+    async def run() -> tuple[bool, int, int]:
+        gate = Admission(share=1.0)
+        await gate.acquire()
+        await gate.acquire()
+        gate.pause()
+        gate.observe(0, now=1.0)  # an idle engine does not reopen a paused gate
+        blocked = asyncio.create_task(gate.acquire())
+        await asyncio.sleep(0.05)
+        still_waiting = not blocked.done()
+        asyncio.get_running_loop().call_later(0.05, gate.release)
+        left_at_deadline = await gate.settled(0.2)  # one line ended, the other did not
+        gate.release()
+        left = await gate.settled(1.0)
+        blocked.cancel()
+        return still_waiting, left_at_deadline, left
+
+    assert asyncio.run(run()) == (True, 1, 0)
 
 
 # ----- through a real server -----------------------------------------------------------------

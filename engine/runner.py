@@ -96,8 +96,8 @@ def _ort_session(model_dir: Path, device: str, threads: int, arena_bytes: int = 
     operators, which only pays on cores nobody else wants. The serving path shares them
     (tritonserver, the front door, the responder), and a spinning worker that holds a core makes the
     others — and the runtime's own next parallel operator — wait for the scheduler: measured side
-    by side on 2 busy cores, a batch-64 decode step took 96-103 ms spinning and 14-15 ms not
-    (batch 1: 1.9-2.3 ms vs 1.5-1.6 ms; BENCHMARKS.md)."""
+    by side on 2 busy cores, a batch-64 decode step took 96-103 ms spinning and 14-62 ms not
+    (batch 1: 1.9-6.1 ms vs 1.5-1.9 ms; BENCHMARKS.md)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from batchstring.engine.config import EngineConfig
-from batchstring.engine.sampling import SamplingParams
+from batchstring.engine.errors import InvalidRequest
+from batchstring.engine.sampling import SamplingParams, parse_sampling_parameters
 from tests.conftest import metric_reaches, start_server
 from tests.engine_helpers import Collector, alone, engine, varied_prompts
 
@@ -179,6 +180,10 @@ def test_full_batches_and_requests_that_opt_out_never_draft(model_dir, prompts):
 def test_speculation_parameters_are_checked():
     with pytest.raises(ValueError, match="speculative_tokens must be >= 0"):
         EngineConfig.from_parameters({"speculative_tokens": "-1"}, model_dir="unused")
+    assert parse_sampling_parameters('{"speculative": "false"}', 512, 16).speculative is False
+    assert parse_sampling_parameters(None, 512, 16).speculative is True
+    with pytest.raises(InvalidRequest, match="speculative must be true or false; got 'maybe'"):
+        parse_sampling_parameters('{"speculative": "maybe"}', 512, 16)
 
 
 @pytest.fixture(scope="module")

@@ -89,9 +89,12 @@ def read_items(path: Path, defaults: dict, jsonl: bool) -> Iterator[Item | Malfo
                     yield exc
 
 
-def _parse_line(number: int, text: str, defaults: dict) -> Item:
+def envelope(number: int, raw: str | bytes, url: str, *, implicit: bool = True) -> tuple[str, dict]:
+    """A line of OpenAI's batch input format: its custom_id and request body, or Malformed naming the
+    line. `implicit`: a line without method and url means POST `url` (a convenience of file jobs;
+    the Batch API, as OpenAI's, wants them stated)."""
     try:
-        obj = json.loads(text)
+        obj = json.loads(raw)
     except ValueError as exc:
         raise Malformed(number, f"not valid JSON ({exc})") from None
     if not isinstance(obj, dict):
@@ -99,9 +102,17 @@ def _parse_line(number: int, text: str, defaults: dict) -> Item:
     custom_id, body = obj.get("custom_id"), obj.get("body")
     if not isinstance(custom_id, str) or not custom_id:
         raise Malformed(number, "custom_id must be a non-empty string")
-    if obj.get("method", "POST") != "POST" or obj.get("url", URL) != URL:
-        raise Malformed(number, f"method and url must be POST {URL} (got {obj.get('method')} {obj.get('url')})")
-    if not isinstance(body, dict) or not isinstance(body.get("prompt"), str):
+    method, target = obj.get("method", "POST" if implicit else None), obj.get("url", url if implicit else None)
+    if method != "POST" or target != url:
+        raise Malformed(number, f"method and url must be POST {url} (got {obj.get('method')} {obj.get('url')})")
+    if not isinstance(body, dict):
+        raise Malformed(number, "body must be a JSON object (the request body)")
+    return custom_id, body
+
+
+def _parse_line(number: int, text: str, defaults: dict) -> Item:
+    custom_id, body = envelope(number, text, URL)
+    if not isinstance(body.get("prompt"), str):
         raise Malformed(number, "body must be an object whose prompt is a string (one prompt per line)")
     if body.get("echo"):
         raise Malformed(number, "body.echo is not supported by jobs (allowed: false)")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from batchstring.client import AsyncBatchClient, Completion
-from batchstring.client.jobs import Item, Malformed, output_line
+from batchstring.client.jobs import Item, Malformed, envelope, output_line
 from batchstring.client.protocol import BATCH
 from batchstring.frontdoor.batch_share import Admission
 from batchstring.frontdoor.batch_store import BatchStore
@@ -54,20 +54,7 @@ class Line:
 
 def parse_line(routes: OpenAIRoutes, endpoint: str, number: int, raw: bytes) -> Line:
     """One input line as a request (the /v1 routes' own reading of a body), or Malformed."""
-    try:
-        obj = json.loads(raw)
-    except ValueError as exc:
-        raise Malformed(number, f"not valid JSON ({exc})") from None
-    if not isinstance(obj, dict):
-        raise Malformed(number, "not a JSON object")
-    custom_id, body = obj.get("custom_id"), obj.get("body")
-    if not isinstance(custom_id, str) or not custom_id:
-        raise Malformed(number, "custom_id must be a non-empty string")
-    if obj.get("method") != "POST" or obj.get("url") != endpoint:
-        raise Malformed(number, f"method and url must be POST {endpoint}, the batch's endpoint "
-                                f"(got {obj.get('method')} {obj.get('url')})")
-    if not isinstance(body, dict):
-        raise Malformed(number, "body must be a JSON object (the request body)")
+    custom_id, body = envelope(number, raw, endpoint, implicit=False)
     chat = endpoint == ENDPOINTS[1]
     try:
         request = routes.parse(body, chat)

@@ -9,14 +9,12 @@ anything is stored when their declared size is over it or the data volume lacks 
 
 from __future__ import annotations
 
-import json
-
 from aiohttp import web
 
 from batchstring.frontdoor.auth import ApiKeys
 from batchstring.frontdoor.batch_runner import ENDPOINTS, BatchRunner, window_seconds
 from batchstring.frontdoor.batch_store import MB, BatchStore, batch_object
-from batchstring.frontdoor.openai_api import ApiError
+from batchstring.frontdoor.openai_api import ApiError, json_body
 from batchstring.frontdoor.tenants import owner
 
 MULTIPART_OVERHEAD = 64 * 1024  # the form's boundaries and the purpose field, beyond the file itself
@@ -130,7 +128,7 @@ class BatchRoutes:
     # ----- batches -----------------------------------------------------------------------------
 
     async def create(self, request: web.Request) -> web.Response:
-        body = await _json(request)
+        body = await json_body(request)
         tenant = owner(request, self.keys)
         endpoint = body.get("endpoint")
         if endpoint not in ENDPOINTS or (endpoint == ENDPOINTS[1] and self.runner.routes.chat is None):
@@ -178,16 +176,6 @@ class BatchRoutes:
         if row is None:
             raise ApiError(404, f"No batch found with id {batch_id!r}", "batch_id")
         return row
-
-
-async def _json(request: web.Request) -> dict:
-    try:
-        body = json.loads(await request.read())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the request body is not valid JSON ({exc})") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, f"the request body must be a JSON object; got {type(body).__name__}")
-    return body
 
 
 def _metadata(metadata) -> dict | None:

@@ -94,7 +94,7 @@ class OpenAIRoutes:
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
-            parsed = self.parse(await _json_body(request), chat)
+            parsed = self.parse(await json_body(request), chat)
             # the caller's key salts its cached prefixes: no other key can reuse or time them
             parsed.options["cache_salt"] = cache_salt(owner(request, self.keys), parsed.options["cache_salt"])
             if parsed.stream:
@@ -229,7 +229,8 @@ async def _event(response: web.StreamResponse, data: dict) -> None:
     await response.write(b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n")
 
 
-async def _json_body(request: web.Request) -> dict:
+async def json_body(request: web.Request) -> dict:
+    """A request's JSON object, or a 400 that says what it was instead."""
     try:
         body = json.loads(await request.read())
     except (ValueError, UnicodeDecodeError) as exc:

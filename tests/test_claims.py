@@ -235,7 +235,7 @@ def test_every_readme_metric_moves_as_the_workload_says(server, client):
         poisoned = client.batchstring(["def poisoned():" + FAULT_MARKER], max_tokens=4, return_exceptions=True)
         with BatchClient(server.grpc_url) as c:  # items past their deadline (each needs > 1 s): dropped, "abort"
             c.batchstring([f"def late_{i}():" for i in range(8)], max_tokens=450, ignore_eos=True, timeout=0.6,
-                          return_exceptions=True)
+                          speculative=False, return_exceptions=True)
         metric_reaches(url, "batchstring_cancelled_total", before.get("batchstring_cancelled_total", 0) + 1)
         time.sleep(0.6)
     finally:

@@ -55,7 +55,7 @@ def test_a_request_over_the_front_doors_limit_is_too_large_from_either_side(serv
 
 
 def test_a_deadline_is_deadline_exceeded_and_a_timeout_error(server):
-    error = one(server.grpc_url, "def slow():", max_tokens=400, ignore_eos=True, timeout=0.05)
+    error = one(server.grpc_url, "def slow():", max_tokens=480, ignore_eos=True, speculative=False, timeout=0.05)
     assert isinstance(error, DeadlineExceeded) and isinstance(error, TimeoutError)
     assert isinstance(error, BatchstringError)
 

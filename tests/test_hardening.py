@@ -138,8 +138,9 @@ def test_cancelling_a_batchstring_call_cancels_its_items_on_the_server(server):
 
 
 def test_a_stream_has_a_deadline(client):
+    # 480 tokens one at a time (no speculation, which would draft this repetitive text) outlast 0.2 s
     with pytest.raises(DeadlineExceeded):
-        list(client.stream("def endless():", max_tokens=400, ignore_eos=True, timeout=0.3))
+        list(client.stream("def endless():", max_tokens=480, ignore_eos=True, speculative=False, timeout=0.2))
 
 
 # ----- a broken engine is detected and the server restarted ----------------------------------

@@ -140,7 +140,7 @@ def test_client_side_checks_happen_before_anything_is_sent():
 
 def test_timeout_surfaces_as_a_clear_deadline_error(client):
     with pytest.raises(BatchError) as info:
-        client.batchstring(["def slow():"] * 4, max_tokens=400, ignore_eos=True, timeout=0.05)
+        client.batchstring(["def slow():"] * 4, max_tokens=480, ignore_eos=True, speculative=False, timeout=0.05)
     assert all(isinstance(e, DeadlineExceeded) for e in info.value.errors.values())
     assert "deadline" in str(info.value)
 

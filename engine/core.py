@@ -43,11 +43,11 @@ class EngineCore:
         self.max_len = min(self.spec.context_length, num_blocks * config.block_size)
         blocks = BlockManager(num_blocks, config.block_size, config.max_num_seqs, self.max_len,
                               config.enable_prefix_caching)
+        self.stats = EngineStats()
         self.speculator = Speculator(config.speculative_tokens, config.speculative_step_tokens,
-                                     self.spec.eos_token_ids)
+                                     self.spec.eos_token_ids, self.stats)
         self.scheduler = Scheduler(config, blocks, policy_for(config.scheduling), self.spec.eos_token_ids,
                                    self.speculator if self.speculator.enabled else None)
-        self.stats = EngineStats()
         runner = runner or build_runner(config.runtime, model_dir, self.spec, num_blocks * config.block_size,
                                         config.device, config.threads, self.cache.arena_bytes)
         self.runner = with_faults(runner, config.fault_marker)
@@ -152,8 +152,7 @@ class EngineCore:
             self.generate(seqs)
         except EngineBroken as exc:
             raise EngineBroken(f"warm-up failed on {self.config.device} with {self.config.runtime}: {exc}") from None
-        self.stats = self.isolation.stats = EngineStats()
-        self.speculator.reset_stats()
+        self.stats.reset()
 
     # ----- after the step ----------------------------------------------------------------------
 

@@ -42,36 +42,16 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from batchstring.engine.batch import StepBatch, Work
 from batchstring.engine.runner import StepOutput
 from batchstring.engine.sequence import Sequence
+from batchstring.engine.stats import EngineStats
 
 NGRAM_MAX = 3  # longest n-gram looked up
 NGRAM_MIN = 1  # shortest
-
-
-@dataclass
-class SpeculationStats:
-    """Counters, read by the metrics publisher from another thread: the engine only bumps them."""
-
-    drafted: int = 0  # draft tokens verified
-    accepted: int = 0  # of which accepted
-    verify_rows: int = 0  # row-steps that carried drafts
-    drafted_at: list[int] = field(default_factory=list)  # per draft position (0 = first): drafted
-    accepted_at: list[int] = field(default_factory=list)  # per draft position: accepted
-
-    def record(self, drafted: int, accepted: int) -> None:
-        self.drafted += drafted
-        self.accepted += accepted
-        self.verify_rows += 1
-        for i in range(drafted):
-            self.drafted_at[i] += 1
-        for i in range(accepted):
-            self.accepted_at[i] += 1
 
 
 class _Index:
@@ -100,20 +80,17 @@ class Speculator:
     """Proposes drafts for a step (the scheduler gives them room in the cache) and turns the
     verified step into what plain decoding would have produced, accepted tokens only."""
 
-    def __init__(self, k: int, step_tokens: int, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, k: int, step_tokens: int, eos_token_ids: tuple[int, ...], stats: EngineStats) -> None:
         self.k = k
         self.step_tokens = step_tokens
         self.eos = frozenset(eos_token_ids)
-        self.stats = SpeculationStats(drafted_at=[0] * k, accepted_at=[0] * k)
+        self.stats = stats  # the engine's: its `speculation` counters are bumped here
         self._index: weakref.WeakKeyDictionary[Sequence, _Index] = weakref.WeakKeyDictionary()
         self._rng_states: dict[Sequence, dict] = {}
 
     @property
     def enabled(self) -> bool:
         return self.k > 0
-
-    def reset_stats(self) -> None:
-        self.stats = SpeculationStats(drafted_at=[0] * self.k, accepted_at=[0] * self.k)
 
     def propose(self, work: list[Work]) -> dict[int, tuple[int, ...]]:
         """Drafts for the step's decoding rows, by index into `work`; none when they would take the
@@ -181,7 +158,7 @@ class Speculator:
         accepted = 0
         while accepted < len(w.draft) and chosen[accepted] == w.draft[accepted]:
             accepted += 1
-        self.stats.record(len(w.draft), accepted)
+        self.stats.speculation.record(len(w.draft), accepted)
         if not w.seq.params.ignore_eos:
             ends = [i for i, token in enumerate(chosen[: accepted + 1]) if token in self.eos]
             accepted = ends[0] if ends else accepted

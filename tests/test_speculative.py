@@ -68,7 +68,7 @@ def test_greedy_tokens_with_drafts_in_crowds_equal_plain_decoding(model_dir, pro
     eng = engine(model_dir, **EVERYWHERE)
     seqs, _ = interleaved(eng, prompts)
     assert [i for i, s in enumerate(seqs) if s.output_ids != plain[i]] == []
-    stats = eng.speculator.stats
+    stats = eng.stats.speculation
     assert 0 < stats.accepted < stats.drafted, "drafts were both accepted and rejected"
     assert max(eng.stats.step_sizes) >= 10, "drafts rode in crowded steps"
     assert stats.drafted_at[0] >= stats.drafted_at[-1] > 0 and stats.accepted_at[0] >= stats.accepted_at[-1]
@@ -90,7 +90,7 @@ def test_preemption_with_drafts_recomputes_and_keeps_the_tokens(model_dir, promp
     eng = engine(model_dir, kv_cache_tokens=1024, **EVERYWHERE)
     seqs, _ = interleaved(eng, prompts, per_wave=10)
     assert eng.stats.preemptions > 0, "the cache was meant to be too small for all sequences"
-    assert eng.speculator.stats.accepted > 0
+    assert eng.stats.speculation.accepted > 0
     assert [s.output_ids for s in seqs] == plain
     assert eng.scheduler.blocks.num_free == eng.scheduler.blocks.num_blocks
 
@@ -102,7 +102,7 @@ def test_prefix_cache_hits_with_drafts_give_the_plain_tokens(model_dir):
     eng = engine(model_dir, **EVERYWHERE)
     seqs, _ = interleaved(eng, prompts, per_wave=4)
     assert eng.scheduler.blocks.hit_tokens > 10 * 160, "the shared instruction came from the cache"
-    assert eng.speculator.stats.accepted > 0
+    assert eng.stats.speculation.accepted > 0
     assert [s.output_ids for s in seqs] == reference
 
 
@@ -125,7 +125,7 @@ def test_a_seeded_sampled_request_gets_the_same_tokens_with_drafts(model_dir, pr
         sink = Collector()
         seqs = [eng.make_sequence(p, params[i], sink) for i, p in enumerate(prompts)]
         eng.generate(seqs)
-        assert k == 0 or eng.speculator.stats.accepted > 0
+        assert k == 0 or eng.stats.speculation.accepted > 0
         return [s.output_ids for s in seqs]
 
     assert tokens(4) == tokens(0), "the n-th token takes the n-th number of the request's own stream"
@@ -159,7 +159,7 @@ def test_sampled_tokens_keep_their_distribution_with_drafts(model_dir):
             eng.generate(seqs[start : start + 60])
         positions[k] = [Counter(s.output_ids[j] for s in seqs) for j in range(params.max_tokens)]
         if k:
-            stats = eng.speculator.stats
+            stats = eng.stats.speculation
             assert stats.accepted > 300 and stats.drafted - stats.accepted > 300, "both outcomes were exercised"
     p_values = [chi_square_p(positions[0][j], positions[4][j]) for j in range(1, params.max_tokens)]
     assert min(p_values) > 1e-3, f"a position's tokens are distributed differently with drafts: {p_values}"
@@ -169,12 +169,12 @@ def test_sampled_tokens_keep_their_distribution_with_drafts(model_dir):
 def test_full_batches_and_requests_that_opt_out_never_draft(model_dir, prompts):
     eng = engine(model_dir)  # the shipped budget: 16 tokens a step
     eng.generate([eng.make_sequence(p, GREEDY, lambda out: None) for p in prompts[:16]])
-    assert eng.speculator.stats.drafted == 0, "16 decoding rows fill the budget: no drafts"
+    assert eng.stats.speculation.drafted == 0, "16 decoding rows fill the budget: no drafts"
     opted_out = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, speculative=False)
     eng.generate([eng.make_sequence(prompts[0], opted_out, lambda out: None)])
-    assert eng.speculator.stats.drafted == 0, "a request that opts out decodes plainly"
+    assert eng.stats.speculation.drafted == 0, "a request that opts out decodes plainly"
     eng.generate([eng.make_sequence(prompts[0], GREEDY, lambda out: None)])
-    assert eng.speculator.stats.drafted > 0, "the same request alone, allowed, drafts"
+    assert eng.stats.speculation.drafted > 0, "the same request alone, allowed, drafts"
 
 
 def test_speculation_parameters_are_checked():

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import threading
 
-from batchstring.engine.speculation import Speculator
 from batchstring.engine.stats import EngineStats
 
 PUBLISH_SECONDS = 0.5
@@ -50,10 +49,9 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 class MetricsPublisher:
-    def __init__(self, pb_utils, stats: EngineStats, model: str, instance: str, speculator: Speculator) -> None:
+    def __init__(self, pb_utils, stats: EngineStats, model: str, instance: str, draft_positions: int) -> None:
         labels = {"model": model, "instance": instance}
         self.stats = stats
-        self.speculator = speculator  # its counters are replaced after warm-up: read through it
 
         def family(name: str, text: str, kind):
             return pb_utils.MetricFamily(name=name, description=text, kind=kind)
@@ -72,7 +70,7 @@ class MetricsPublisher:
             self.speculation[key] = self.families[-1].Metric(labels=labels)
         for key, (name, text) in PER_POSITION.items():
             self.families.append(family(name, text, counter))
-            for i in range(speculator.k):
+            for i in range(draft_positions):
                 self.speculation[f"{key}:{i}"] = self.families[-1].Metric(labels={**labels, "position": str(i + 1)})
         self._sent: dict[str, float] = {}
         self._stop = threading.Event()
@@ -95,7 +93,7 @@ class MetricsPublisher:
             metric.set(float(getattr(self.stats, key)))
         totals = {key: float(getattr(self.stats, key)) for key in self.counters}
         totals.update({f"finished:{r}": float(self.stats.finished.get(r, 0)) for r in FINISH_REASONS})
-        spec = self.speculator.stats
+        spec = self.stats.speculation
         totals.update({f"spec:{key}": float(getattr(spec, key)) for key in SPECULATION})
         totals.update({f"spec:{key}:{i}": float(n) for key in PER_POSITION for i, n in enumerate(getattr(spec, key))})
         for key, value in totals.items():

@@ -63,7 +63,7 @@ class TritonPythonModel:
         self.engine.start()
         self.groups = itertools.count()
         self.metrics = MetricsPublisher(pb_utils, self.engine.core.stats, args["model_name"],
-                                        args["model_instance_name"], self.engine.core.speculator)
+                                        args["model_instance_name"], engine_config.speculative_tokens)
         self.metrics.start()
         cache = self.engine.core.cache
         pb_utils.Logger.log_info(

@@ -75,10 +75,13 @@ class Upstream:
     async def forward(self, request: web.Request, body: bytes, tenant: str | None = None) -> web.StreamResponse:
         """`tenant`: with API keys on, the caller's; its prefix-cache salt goes into the request."""
         headers = {name: request.headers[name] for name in FORWARDED_HEADERS if name in request.headers}
-        if tenant is not None and body:
-            body, headers = tenants.salt_http_body(request.path, headers, body, tenant)
         if request.path.endswith(("/generate", "/generate_stream")):
             headers["Content-Type"] = "application/json"  # Triton parses it as JSON whatever `curl -d` says
+            if tenant is not None:
+                try:
+                    body = tenants.salt_generate_body(body, tenant)
+                except ValueError as exc:
+                    return error(400, str(exc), request.path)
         try:
             async with self.session.request(request.method, self.base_url + request.path_qs, data=body or None,
                                             headers=headers) as upstream:

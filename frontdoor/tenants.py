@@ -43,21 +43,16 @@ def cache_salt(tenant: str, requested: object = None) -> str | None:
     return hashlib.blake2b(mixed, digest_size=16, person=b"bs-cache").hexdigest()
 
 
-HEADER_LENGTH = "Inference-Header-Content-Length"  # KServe's binary extension: JSON header, then tensors
-
-
-def salt_http_body(path: str, headers: dict[str, str], body: bytes, tenant: str) -> tuple[bytes, dict[str, str]]:
-    """A v2 inference body (generate, generate_stream or infer) carrying its tenant's prefix-cache
-    salt, as the gRPC and /v1 routes do; a body Triton could not read either passes unchanged."""
-    length = int(headers.get(HEADER_LENGTH, len(body)))
+def salt_generate_body(body: bytes, tenant: str) -> bytes:
+    """A v2 generate body carrying its tenant's prefix-cache salt, as the gRPC and /v1 routes do
+    (Triton makes its top-level keys request parameters). Raises ValueError, with what to send,
+    for a body that cannot carry it: forwarded unsalted, it would share another tenant's cache.
+    (The v2 infer route needs no salt: Triton's HTTP infer refuses this decoupled model.)"""
     try:
-        head = json.loads(body[:length])
-        generate = path.endswith(("/generate", "/generate_stream"))
-        target = head if generate else head.setdefault("parameters", {})
-        target["cache_salt"] = cache_salt(tenant, target.get("cache_salt"))
-    except (ValueError, TypeError, AttributeError):
-        return body, headers
-    salted = json.dumps(head).encode()
-    if HEADER_LENGTH in headers:
-        headers = {**headers, HEADER_LENGTH: str(len(salted))}
-    return salted + body[length:], headers
+        request = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise ValueError("the request body is not valid JSON; send a JSON object") from None
+    if not isinstance(request, dict):
+        raise ValueError("the request body must be a JSON object")
+    request["cache_salt"] = cache_salt(tenant, request.get("cache_salt"))
+    return json.dumps(request).encode()

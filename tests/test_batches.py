@@ -13,6 +13,7 @@ import os
 import sqlite3
 import subprocess
 import time
+import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
@@ -215,6 +216,20 @@ def _send_generate(server, key: str, prompt: str) -> None:
                                      headers={"Authorization": f"Bearer {key}"})
     with urllib.request.urlopen(request, timeout=30) as response:
         assert response.status == 200
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    (json.dumps({"text_input": "def f():", "max_tokens": 2, "cache_salt": 5}).encode(), "cache_salt must be a string"),
+    (b"text_input=def", "not valid JSON"),
+    (b"[1, 2]", "must be a JSON object"),
+])
+def test_a_generate_body_that_cannot_carry_its_salt_is_refused_not_sent_unsalted(keyed, body, message):
+    request = urllib.request.Request(f"http://{keyed.http_url}/v2/models/llm/generate", data=body,
+                                     headers={"Authorization": f"Bearer {KEY_A}"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=30)
+    assert refused.value.code == 400 and message in refused.value.read().decode()
+    _send_generate(keyed, KEY_A, "def still_served():")  # the server answers the next one
 
 
 @pytest.mark.parametrize("send", [_send_v1, _send_grpc, _send_generate], ids=["v1", "grpc", "v2-generate"])

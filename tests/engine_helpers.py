@@ -53,3 +53,19 @@ def alone(eng: EngineCore, prompts: list[str], params: SamplingParams = GREEDY) 
         eng.generate([seq])
         out.append(seq.output_ids)
     return out
+
+
+def interleave(eng, prompts, params=GREEDY, every: int = 2, per_wave: int = 5, **kwargs):
+    """Submits prompts in waves while earlier ones are mid-generation (different positions)."""
+    sink = Collector()
+    seqs = [eng.make_sequence(p, params, sink, **kwargs) for p in prompts]
+    pending = list(seqs)
+    step = 0
+    while pending or any(not s.finished for s in seqs):
+        if step % every == 0:
+            for s in pending[:per_wave]:
+                eng.add(s)
+            pending = pending[per_wave:]
+        eng.step()
+        step += 1
+    return seqs, sink

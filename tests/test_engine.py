@@ -13,7 +13,7 @@ from batchstring.engine.batch import sampling_inputs
 from batchstring.engine.errors import EngineBroken, InvalidRequest
 from batchstring.engine.sampling import SamplingParams
 from batchstring.engine.sequence import Status
-from tests.engine_helpers import GREEDY, Collector, alone, engine, varied_prompts
+from tests.engine_helpers import GREEDY, Collector, alone, engine, interleave, varied_prompts
 
 POISON = "<<poison>>"
 
@@ -26,22 +26,6 @@ def prompts():
 @pytest.fixture(scope="module")
 def reference(model_dir, prompts):
     return alone(engine(model_dir), prompts)
-
-
-def interleave(eng, prompts, params=GREEDY, every: int = 2, per_wave: int = 5, **kwargs):
-    """Submits prompts in waves while earlier ones are mid-generation (different positions)."""
-    sink = Collector()
-    seqs = [eng.make_sequence(p, params, sink, **kwargs) for p in prompts]
-    pending = list(seqs)
-    step = 0
-    while pending or any(not s.finished for s in seqs):
-        if step % every == 0:
-            for s in pending[:per_wave]:
-                eng.add(s)
-            pending = pending[per_wave:]
-        eng.step()
-        step += 1
-    return seqs, sink
 
 
 def test_greedy_output_is_batch_invariant_when_interleaved(model_dir, prompts, reference):

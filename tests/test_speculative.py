@@ -19,7 +19,7 @@ from batchstring.engine.config import EngineConfig
 from batchstring.engine.errors import InvalidRequest
 from batchstring.engine.sampling import SamplingParams, parse_sampling_parameters
 from tests.conftest import metric_reaches, start_server
-from tests.engine_helpers import Collector, alone, engine, varied_prompts
+from tests.engine_helpers import Collector, alone, engine, interleave, varied_prompts
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 EVERYWHERE = {"speculative_step_tokens": 512}  # drafts even in crowds, where the default budget turns them off
@@ -38,21 +38,6 @@ def repetitive_prompts(count: int) -> list[str]:
     return classes + varied_prompts(count - len(classes), seed=5)
 
 
-def interleaved(eng, prompts, params=GREEDY, per_wave: int = 6, **kwargs):
-    """Prompts joining in waves, mid-generation of the earlier ones (as in tests/test_engine.py)."""
-    sink = Collector()
-    seqs = [eng.make_sequence(p, params, sink, **kwargs) for p in prompts]
-    pending, step = list(seqs), 0
-    while pending or any(not s.finished for s in seqs):
-        if step % 2 == 0:
-            for s in pending[:per_wave]:
-                eng.add(s)
-            pending = pending[per_wave:]
-        eng.step()
-        step += 1
-    return seqs, sink
-
-
 @pytest.fixture(scope="module")
 def prompts():
     return repetitive_prompts(30)
@@ -66,7 +51,7 @@ def plain(model_dir, prompts):
 
 def test_greedy_tokens_with_drafts_in_crowds_equal_plain_decoding(model_dir, prompts, plain):
     eng = engine(model_dir, **EVERYWHERE)
-    seqs, _ = interleaved(eng, prompts)
+    seqs, _ = interleave(eng, prompts, GREEDY, per_wave=6)
     assert [i for i, s in enumerate(seqs) if s.output_ids != plain[i]] == []
     stats = eng.stats.speculation
     assert 0 < stats.accepted < stats.drafted, "drafts were both accepted and rejected"
@@ -88,7 +73,7 @@ def test_drafts_cut_the_steps_of_one_caller(model_dir, prompts, plain):
 
 def test_preemption_with_drafts_recomputes_and_keeps_the_tokens(model_dir, prompts, plain):
     eng = engine(model_dir, kv_cache_tokens=1024, **EVERYWHERE)
-    seqs, _ = interleaved(eng, prompts, per_wave=10)
+    seqs, _ = interleave(eng, prompts, GREEDY, per_wave=10)
     assert eng.stats.preemptions > 0, "the cache was meant to be too small for all sequences"
     assert eng.stats.speculation.accepted > 0
     assert [s.output_ids for s in seqs] == plain
@@ -100,7 +85,7 @@ def test_prefix_cache_hits_with_drafts_give_the_plain_tokens(model_dir):
     prompts = [instruction + tail[:120] for tail in repetitive_prompts(16)]
     reference = alone(engine(model_dir, speculative_tokens=0), prompts, GREEDY)
     eng = engine(model_dir, **EVERYWHERE)
-    seqs, _ = interleaved(eng, prompts, per_wave=4)
+    seqs, _ = interleave(eng, prompts, GREEDY, per_wave=4)
     assert eng.scheduler.blocks.hit_tokens > 10 * 160, "the shared instruction came from the cache"
     assert eng.stats.speculation.accepted > 0
     assert [s.output_ids for s in seqs] == reference
@@ -111,7 +96,7 @@ def test_stop_strings_and_streaming_with_drafts_answer_as_plain_decoding(model_d
     answers = {}
     for k in (0, 4):
         eng = engine(model_dir, speculative_tokens=k, **EVERYWHERE)
-        seqs, sink = interleaved(eng, prompts, params, stream=True)
+        seqs, sink = interleave(eng, prompts, params, per_wave=6, stream=True)
         answers[k] = [(sink.text(s), sink.final(s).finish_reason, sink.final(s).num_output_tokens) for s in seqs]
     assert answers[4] == answers[0]
     assert any(reason == "stop" for _, reason, count in answers[4] if count < 48), "stop strings ended some"

@@ -92,6 +92,21 @@ def gone_within(processes, seconds: float) -> list[psutil.Process]:
     return alive(processes)
 
 
+def assert_kill_leaves_nothing(parent, processes: list[psutil.Process], ports: list[int], what: str) -> None:
+    """SIGKILL of `parent` (what Docker, Kubernetes and the OOM killer do when their patience ends):
+    within GONE_BOUND s none of its processes is alive and its ports can be bound again."""
+    import socket
+
+    parent.kill()
+    parent.wait()
+    left = gone_within(processes, GONE_BOUND)
+    assert left == [], f"still alive {GONE_BOUND:g} s after the {what}: {[p.cmdline()[:3] for p in left]}"
+    for port in ports:
+        with socket.socket() as s:  # as the next server binds it
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
+
+
 def descendants_after(grace: float) -> list[psutil.Process]:
     """This process's live descendants once `grace` s have passed or none is left; zombies
     (processes that ended, re-parented here) are reaped on the way."""

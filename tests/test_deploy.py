@@ -27,7 +27,16 @@ from batchstring.server.local import LocalServer, ServerError, free_ports
 from batchstring.server.repository import load_config
 from batchstring.server.stats import batch_stats, metrics
 from batchstring.server.triton import TritonInstall
-from tests.conftest import BATCHSTRING, GONE_BOUND, STOP_BOUND, gone_within, kinds, metric_reaches, start_server
+from tests.conftest import (
+    BATCHSTRING,
+    GONE_BOUND,
+    STOP_BOUND,
+    assert_kill_leaves_nothing,
+    gone_within,
+    kinds,
+    metric_reaches,
+    start_server,
+)
 
 DOCKER = Path(__file__).resolve().parent.parent / "docker"
 BIN = Path(sys.executable).parent
@@ -272,14 +281,7 @@ def test_sigkill_of_the_image_command_line_leaves_no_process_and_frees_its_ports
         assert set(kinds(processes)) == {"front door", "tritonserver", "model"}
         front_door = kinds(processes)["front door"].cmdline()
         ports = [int(front_door[front_door.index(f"--{name}-port") + 1]) for name in ("http", "grpc", "metrics")]
-        proc.kill()
-        proc.wait()
-        left = gone_within(processes, GONE_BOUND)
-        assert left == [], f"still alive {GONE_BOUND:g} s after the entrypoint: {[p.cmdline()[:3] for p in left]}"
-        for port in ports:
-            with socket.socket() as s:  # as the next container binds it
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                s.bind(("127.0.0.1", port))
+        assert_kill_leaves_nothing(proc, processes, ports, "entrypoint")
     finally:
         if proc.poll() is None:
             proc.kill()

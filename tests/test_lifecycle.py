@@ -10,7 +10,6 @@ import asyncio
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -23,7 +22,16 @@ import pytest
 from batchstring.client import AsyncBatchClient, BatchClient
 from batchstring.server.local import LocalServer, free_ports
 from batchstring.server.stats import metrics
-from tests.conftest import BATCHSTRING, GONE_BOUND, STOP_BOUND, alive, gone_within, kinds, start_server
+from tests.conftest import (
+    BATCHSTRING,
+    GONE_BOUND,
+    STOP_BOUND,
+    alive,
+    assert_kill_leaves_nothing,
+    gone_within,
+    kinds,
+    start_server,
+)
 
 MAX_TOKENS = 64
 
@@ -162,14 +170,7 @@ def test_sigkill_of_serve_leaves_no_process_and_frees_its_ports(model_dir, tmp_p
         assert "llm ready" in banner, banner
         processes = psutil.Process(proc.pid).children(recursive=True)
         assert set(kinds(processes)) == {"front door", "tritonserver", "model"}
-        proc.kill()  # what Docker, Kubernetes and the OOM killer do when their patience ends
-        proc.wait()
-        left = gone_within(processes, GONE_BOUND)
-        assert left == [], f"still alive {GONE_BOUND:g} s after the supervisor: {[p.cmdline()[:3] for p in left]}"
-        for port in ports:
-            with socket.socket() as s:  # as the next server binds it
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                s.bind(("127.0.0.1", port))
+        assert_kill_leaves_nothing(proc, processes, ports, "supervisor")
     finally:
         stop(proc)
 

@@ -24,7 +24,7 @@ from tritonclient.grpc import service_pb2
 from batchstring.client.protocol import CACHE_SALT_PARAMETER as CACHE_SALT
 from batchstring.frontdoor import tenants
 from batchstring.frontdoor.auth import ApiKeys
-from batchstring.frontdoor.health import Drain, StreamRequests
+from batchstring.frontdoor.health import Drain, ModelProcess, StreamRequests
 from batchstring.frontdoor.limits import Limits
 
 SERVICE = "/inference.GRPCInferenceService/"
@@ -34,10 +34,18 @@ STREAM = ("ModelStreamInfer",)
 OPEN = ("ServerLive", "ServerReady", "ModelReady")  # health: probes need no key
 
 
+READINESS = {"ServerReady": service_pb2.ServerReadyResponse, "ModelReady": service_pb2.ModelReadyResponse}
+
+
 class Passthrough(grpc.GenericRpcHandler):
-    def __init__(self, upstream: str, limits: Limits, keys: ApiKeys | None = None, drain: Drain | None = None) -> None:
+    """`model`: the model process to judge Triton's readiness answers by (frontdoor/health.py): the
+    same answer over gRPC as over HTTP."""
+
+    def __init__(self, upstream: str, limits: Limits, keys: ApiKeys | None = None, drain: Drain | None = None,
+                 model: ModelProcess | None = None) -> None:
         self.keys = keys or ApiKeys([])
         self.drain = drain or Drain()
+        self.model = model or ModelProcess()
         options = [("grpc.max_receive_message_length", 64 * 2**20),
                    ("grpc.max_send_message_length", limits.max_message_bytes)]
         self.channel = grpc.aio.insecure_channel(upstream, options=options)
@@ -49,6 +57,8 @@ class Passthrough(grpc.GenericRpcHandler):
         if name in UNARY + STREAM and name not in OPEN and not self.keys.allows(_authorization(details)):
             return _refuse(name in STREAM, grpc.StatusCode.UNAUTHENTICATED, self.keys.REFUSAL)
         salt = self._salter(_authorization(details)) if name in ("ModelInfer", *STREAM) else _unchanged
+        if name in READINESS:
+            return grpc.unary_unary_rpc_method_handler(self._readiness(details.method, READINESS[name]))
         if name in UNARY:
             return grpc.unary_unary_rpc_method_handler(self._unary(details.method, salt))
         if name in STREAM:
@@ -83,6 +93,15 @@ class Passthrough(grpc.GenericRpcHandler):
                     return await call(salt(request), timeout=context.time_remaining())
                 except grpc.aio.AioRpcError as exc:
                     await context.abort(exc.code(), exc.details() or "")
+
+        return handle
+
+    def _readiness(self, method: str, response_type: type):
+        forward = self._unary(method, _unchanged)
+
+        async def handle(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            answer = response_type.FromString(await forward(request, context))
+            return response_type(ready=self.model.judge(answer.ready)).SerializeToString()
 
         return handle
 
@@ -166,8 +185,9 @@ def _refuse(stream: bool, code: grpc.StatusCode, message: str):
 
 
 async def serve(host: str, port: int, upstream: str, limits: Limits, credentials: grpc.ServerCredentials | None = None,
-                keys: ApiKeys | None = None, drain: Drain | None = None) -> tuple[grpc.aio.Server, Passthrough]:
-    handler = Passthrough(upstream, limits, keys, drain)
+                keys: ApiKeys | None = None, drain: Drain | None = None,
+                model: ModelProcess | None = None) -> tuple[grpc.aio.Server, Passthrough]:
+    handler = Passthrough(upstream, limits, keys, drain, model)
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", limits.max_message_bytes),
         ("grpc.max_send_message_length", 64 * 2**20),

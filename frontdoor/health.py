@@ -35,6 +35,26 @@ def stub_alive(triton_pid: int, proc: Path = Path("/proc")) -> bool:
     return False
 
 
+class ModelProcess:
+    """The model process behind one tritonserver (`triton_pid`; None: not watched, as when the
+    front door is pointed at a server it did not start). Every readiness answer the front door
+    gives, over HTTP or gRPC, to a probe, a client or its own exit watch, passes through `judge`,
+    so `has_been_ready` is true as soon as anyone was told "ready": a model that dies between two
+    polls of the watch has still served, and its death is not mistaken for a slow load."""
+
+    def __init__(self, triton_pid: int | None = None) -> None:
+        self.triton_pid = triton_pid
+        self.has_been_ready = False
+
+    def gone(self) -> bool:
+        return self.triton_pid is not None and not stub_alive(self.triton_pid)
+
+    def judge(self, triton_ready: bool) -> bool:
+        ready = triton_ready and not self.gone()
+        self.has_been_ready |= ready
+        return ready
+
+
 class Drain:
     """The front door's stop, in the order that loses nothing: from `begin()` on, readiness is off
     (load balancers and our client's prober move new work elsewhere) and every new request is

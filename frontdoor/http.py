@@ -19,7 +19,7 @@ from aiohttp import web
 from batchstring.client.defaults import MODEL
 from batchstring.frontdoor import tenants
 from batchstring.frontdoor.auth import ApiKeys
-from batchstring.frontdoor.health import Drain, stub_alive
+from batchstring.frontdoor.health import Drain, ModelProcess
 from batchstring.frontdoor.limits import Limits
 from batchstring.frontdoor.openai_api import OpenAIRoutes, error_response
 
@@ -41,11 +41,11 @@ def error(status: int, message: str, path: str = "") -> web.Response:
 class Upstream:
     """Triton's HTTP server, over a pool of kept-alive connections: `address` is a Unix socket path
     (how `batchstring serve` and the image run it) or host:port. With `triton_pid`, readiness also
-    requires the model's stub process to be alive (frontdoor/health.py)."""
+    requires the model's stub process to be alive (frontdoor/health.py `ModelProcess`)."""
 
     def __init__(self, address: str, triton_pid: int | None = None) -> None:
         self.address = address
-        self.triton_pid = triton_pid
+        self.model = ModelProcess(triton_pid)
         self.base_url = "http://triton" if address.startswith("/") else f"http://{address}"
         self.session: aiohttp.ClientSession | None = None
 
@@ -54,17 +54,14 @@ class Upstream:
         self.session = aiohttp.ClientSession(connector=connector,
                                              timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
 
-    def model_process_gone(self) -> bool:
-        return self.triton_pid is not None and not stub_alive(self.triton_pid)
-
     async def ready(self) -> bool:
         """The model's readiness (False when Triton cannot be reached or the model process is gone)."""
-        if self.model_process_gone():
+        if self.model.gone():
             return False
         try:
             async with self.session.get(f"{self.base_url}/v2/models/{MODEL}/ready",
                                         timeout=aiohttp.ClientTimeout(total=2)) as response:
-                return response.status == 200
+                return self.model.judge(response.status == 200)
         except (aiohttp.ClientError, TimeoutError):
             return False
 
@@ -107,10 +104,12 @@ def make_app(upstream: Upstream, limits: Limits, openai: OpenAIRoutes | None = N
         return await upstream.forward(request, body, tenant)
 
     async def readiness(request: web.Request) -> web.StreamResponse:
-        if upstream.model_process_gone():
+        if upstream.model.gone():
             return error(503, "the model process is gone (Triton still reports the model ready); "
                               "the server is being restarted")
-        return await upstream.forward(request, b"")
+        response = await upstream.forward(request, b"")
+        upstream.model.judge(response.status == 200)
+        return response
 
     app = web.Application(client_max_size=limits.max_body_bytes,
                           middlewares=[_errors(limits, openai is not None), _draining(drain or Drain()),

@@ -110,7 +110,7 @@ async def run(args: argparse.Namespace) -> int:
         await web.TCPSite(runner, args.host, port).start()
         runners.append(runner)
     server, passthrough = await grpc_side.serve(args.host, args.grpc_port, args.triton_grpc, limits, credentials,
-                                                keys, drain)
+                                                keys, drain, upstream.model)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -163,12 +163,11 @@ async def _watch_readiness(upstream: Upstream, limit: float, stop: asyncio.Event
     has been ready: a model still loading (minutes, for a large one) is the startup probe's affair."""
     if limit <= 0:
         await asyncio.Event().wait()
-    unready_since, served = None, False
+    unready_since = None
     while True:
         now = time.monotonic()
         ready = await upstream.ready()
-        served = served or ready
-        unready_since = None if ready or not served else unready_since or now
+        unready_since = None if ready or not upstream.model.has_been_ready else unready_since or now
         if unready_since is not None and now - unready_since >= limit:
             print(f"frontdoor: the model has not been ready for {limit:g} s; exiting so that it is restarted",
                   file=sys.stderr, flush=True)

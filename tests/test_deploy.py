@@ -372,12 +372,13 @@ def test_the_image_exits_when_its_model_process_dies_so_that_restart_policies_ac
     proc, http, grpc = image_command_line(model_dir, tmp_path, BATCHSTRING_EXIT_WHEN_UNREADY="2")
     try:
         with BatchClient(f"127.0.0.1:{grpc}") as client:
-            wait_serving(client, proc)
-        stub = next(p for p in psutil.Process(proc.pid).children(recursive=True)
-                    if "triton_python_backend_stub" in " ".join(p.cmdline()))
-        stub.kill()  # Triton itself keeps saying the model is ready; the front door knows better
+            wait_serving(client, proc)  # the model dies at once, before the front door's own watch looks again
+            stub = next(p for p in psutil.Process(proc.pid).children(recursive=True)
+                        if "triton_python_backend_stub" in " ".join(p.cmdline()))
+            stub.kill()  # Triton itself keeps saying the model is ready; the front door knows better
+            assert gone_within([stub], GONE_BOUND) == []
+            assert not client.ready(), "gRPC readiness is judged as HTTP's is"
         with pytest.raises(urllib.error.HTTPError) as unready:
-            time.sleep(0.5)
             urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/models/llm/ready", timeout=5)
         assert unready.value.code == 503
         assert proc.wait(timeout=30) != 0, "the container exits, so that Docker's restart policy acts"

@@ -2,7 +2,10 @@
 
 Rows that decode one token go to the step's decode group and are built together from the block
 manager's table (past slots, masks, the new token's slot) without a per-row loop; rows that
-prefill several tokens (few per step) go to the prefill group. The layout is export/step.py's.
+prefill several tokens (few per step) go to the prefill group. A step of at most
+SMALL_STEP_TOKENS tokens puts every row in the prefill group: padded together they waste almost
+nothing, and the CPU runs such a step on a graph with that group only (export/step.py). The
+layout is export/step.py's.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from batchstring.engine.block_manager import BlockManager
 from batchstring.engine.grammar import fill_masks
 from batchstring.engine.sampling import SamplingParams
 from batchstring.engine.sequence import Sequence
+
+SMALL_STEP_TOKENS = 16  # a step of at most this many tokens: one attention group (and, on the CPU, one thread)
 
 
 @dataclass(frozen=True)
@@ -78,8 +83,9 @@ class StepBatch:
 
 
 def build_step(work: list[Work], blocks: BlockManager, rng: np.random.Generator | None = None) -> StepBatch:
-    decode = [w for w in work if w.new == 1]
-    prefill = [w for w in work if w.new > 1]
+    single_group = sum(w.new for w in work) <= SMALL_STEP_TOKENS
+    decode = [] if single_group else [w for w in work if w.new == 1]
+    prefill = work if single_group else [w for w in work if w.new > 1]
     d = _decode_group(decode, blocks)
     ids, positions, writes, order, logit_tokens = d.ids, d.positions, d.writes, d.order, d.last
     p_tokens, p_slots, p_mask = _EMPTY_PREFILL

@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from batchstring.export.layout import SMALL_STEP_GRAPH
+
 GIB = 2**30
 INDEX_LIMIT = 2**31  # elements a 32-bit Gather offset can address
 ACTIVATION_MARGIN = 1.25  # workspace and fragmentation beyond the tensors counted
@@ -45,9 +47,12 @@ def _host_available() -> int:
     raise RuntimeError("kv_cache_tokens auto: /proc/meminfo has no MemAvailable; set kv_cache_tokens to a number")
 
 
-def weight_bytes(model_dir: Path, runtime: str) -> int:
-    """What the runtime will hold: the ONNX graph and its external data, or the TorchScript file."""
-    names = ("model.pt",) if runtime == "torchscript" else ("model.onnx", "model.onnx.data")
+def weight_bytes(model_dir: Path, runtime: str, device: str = "cpu", threads: int = 1) -> int:
+    """What the runtime will hold: the ONNX graph and its external data, or the TorchScript file;
+    on the CPU with `threads` 0, ONNX Runtime's second session too (engine/runner.py OnnxRunner)."""
+    names = ["model.pt"] if runtime == "torchscript" else ["model.onnx", "model.onnx.data"]
+    if runtime != "torchscript" and device == "cpu" and threads == 0:
+        names.append(SMALL_STEP_GRAPH if (model_dir / SMALL_STEP_GRAPH).exists() else "model.onnx")
     return sum((model_dir / n).stat().st_size for n in names if (model_dir / n).exists())
 
 
@@ -97,7 +102,7 @@ def _blocks(tokens: int, block_size: int) -> int:
 
 def plan_cache(config, spec, model_dir: Path) -> CachePlan:
     """`kv_cache_tokens` as configured (checked against the index ceiling), or `auto`."""
-    weights = weight_bytes(model_dir, config.runtime)
+    weights = weight_bytes(model_dir, config.runtime, config.device, config.threads)
     if config.kv_cache_tokens:
         return configured_plan(config, spec, weights)
     free, source = free_bytes(config.device)

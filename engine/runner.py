@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from batchstring.engine.batch import StepBatch
+from batchstring.engine.batch import SMALL_STEP_TOKENS, StepBatch
+from batchstring.export.layout import SMALL_STEP_GRAPH
 
 FETCHED = ("next_tokens", "token_logprobs", "top_ids", "top_logprobs", "new_keys", "new_values")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -91,7 +92,7 @@ class PagedCacheRunner:
         self.values[:, :, slots] = new_values
 
 
-def _ort_session(model_dir: Path, device: str, threads: int, arena_bytes: int = 0):
+def _ort_session(model_dir: Path, device: str, threads: int, arena_bytes: int = 0, graph: str = "model.onnx"):
     """Intra-op threads never spin: ONNX Runtime's default keeps its workers busy-waiting between
     operators, which only pays on cores nobody else wants. The serving path shares them
     (tritonserver, the front door, the responder), and a spinning worker that holds a core makes the
@@ -106,7 +107,7 @@ def _ort_session(model_dir: Path, device: str, threads: int, arena_bytes: int = 
     if threads > 0:
         options.intra_op_num_threads = threads
     providers = ort_providers(device, ort.get_available_providers(), arena_bytes)
-    session = ort.InferenceSession(str(model_dir / "model.onnx"), options, providers=providers)
+    session = ort.InferenceSession(str(model_dir / graph), options, providers=providers)
     check_providers(session, device)
     return session
 
@@ -186,23 +187,26 @@ def _numpy_dtype(spec: RuntimeSpec):
     return np.dtype(spec.dtype)
 
 
-SMALL_STEP_TOKENS = 16  # steps of at most this many tokens run on one thread (threads = 0)
-
-
 class OnnxRunner(PagedCacheRunner):
     """ONNX Runtime on the CPU; the cache is host memory (numpy), handed over without a copy.
 
-    With `threads` 0 (the default) a step of at most SMALL_STEP_TOKENS tokens runs on a session of
-    its own with one intra-op thread: splitting a small step's operators across cores costs more in
-    hand-offs than it saves (measured on 2 cores, one row: 1.30 vs 1.61 ms for one token, 1.53 vs
-    2.04 ms for a row of 1 + 4 draft tokens), while 64 rows want every core (14.8 vs 19.3 ms). Both
-    sessions hold the weights, so host memory holds them twice; a fixed `threads` keeps one session.
+    With `threads` 0 (the default) a step of at most SMALL_STEP_TOKENS tokens (every row in the
+    prefill group: engine/batch.py) runs on a session of its own with one intra-op thread: splitting
+    a small step's operators across cores costs more in hand-offs than it saves (measured on 2
+    cores, one row: 1.30 vs 1.61 ms for one token, 1.53 vs 2.04 ms for a row of 1 + 4 draft tokens),
+    while 64 rows want every core (14.8 vs 19.3 ms). That session runs the small-step graph where
+    the export wrote one (export/layout.py SMALL_STEP_GRAPH: the prefill group only, a quarter fewer
+    operators; 1 + 4 tokens 1.14 vs 1.30 ms). Both sessions hold the weights, so host memory holds
+    them twice (engine/memory.py counts both); a fixed `threads` keeps one session.
     """
 
     def __init__(self, model_dir: Path, spec: RuntimeSpec, num_slots: int, device: str, threads: int,
                  arena_bytes: int = 0) -> None:
         self.session = _ort_session(model_dir, device, threads)
-        self.small_session = _ort_session(model_dir, device, 1) if threads == 0 else self.session
+        self.small_session = self.session
+        if threads == 0:
+            small = SMALL_STEP_GRAPH if (model_dir / SMALL_STEP_GRAPH).exists() else "model.onnx"
+            self.small_session = _ort_session(model_dir, device, 1, graph=small)
         self.spec = spec
         # full(), not zeros(): touch every page now, so resident memory is flat from the start
         self.keys = np.full(spec.cache_shape(num_slots), 0.0, _numpy_dtype(spec))
@@ -210,7 +214,8 @@ class OnnxRunner(PagedCacheRunner):
 
     def _run(self, feeds: dict[str, np.ndarray]) -> tuple:
         # The caches are passed by reference: onnxruntime reads numpy memory in place.
-        session = self.small_session if len(feeds["input_ids"]) <= SMALL_STEP_TOKENS else self.session
+        small = len(feeds["input_ids"]) <= SMALL_STEP_TOKENS and not len(feeds["decode_tokens"])
+        session = self.small_session if small else self.session
         return session.run(FETCHED, {**feeds, "key_cache": self.keys, "value_cache": self.values})
 
 

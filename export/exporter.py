@@ -18,11 +18,12 @@ import torch
 
 from batchstring.engine.tokenizer import TextCodec
 from batchstring.export import artifacts
-from batchstring.export.layout import DEFAULT_MODEL_DIR, MODEL_VERSION_DIR
+from batchstring.export.layout import DEFAULT_MODEL_DIR, MODEL_VERSION_DIR, SMALL_STEP_GRAPH
 from batchstring.export.step import DecoderStep, check_supported
 from batchstring.export.verify import (
     HF_16BIT,
     TOLERANCE,
+    SingleGroup,
     StepFn,
     VerificationError,
     limit,
@@ -145,6 +146,8 @@ def _verified_runtimes(step: DecoderStep, scratch: Path, dtype: str, console: Co
                    for n, t in zip(artifacts.INPUT_NAMES, artifacts.example_inputs(step))}
         onnx_run(**example)  # kernels missing for this dtype show up here, not mid-verification
         runtimes["onnxruntime"] = onnx_run
+        if (scratch / SMALL_STEP_GRAPH).exists():
+            runtimes["onnxruntime, small steps"] = SingleGroup(_onnx(scratch / SMALL_STEP_GRAPH, dtype))
     except Exception as exc:  # any refusal to load or run: say so, and check the graph instead
         check_onnx_structure(scratch / "model.onnx", dtype)
         console.print(f"[yellow]onnxruntime (CPU) cannot run the {dtype} graph here ({str(exc)[:200]}); its "
@@ -216,6 +219,8 @@ def export_model(
         scratch = Path(tmp)
         with stages.stage("trace and save ONNX (torch.export)"):
             artifacts.write_onnx(step, scratch / "model.onnx")
+            if dtype == "float32":  # the CPU's dtype: layout.SMALL_STEP_GRAPH
+                artifacts.write_onnx(step.as_single_group(), scratch / SMALL_STEP_GRAPH)
         with stages.stage("trace and save TorchScript"):
             artifacts.write_torchscript(step, scratch / "model.pt")
         write_model_files(step, hf_model, eos, source, scratch)
@@ -232,6 +237,9 @@ def export_model(
                 del truth
         max_diff = report(console, cases, greedy, dtype)
         out_dir.mkdir(parents=True, exist_ok=True)
+        for optional in (SMALL_STEP_GRAPH, "model.onnx.data"):  # an earlier export's, which this one replaces
+            if not (scratch / optional).exists():
+                (out_dir / optional).unlink(missing_ok=True)
         for produced in scratch.iterdir():  # includes ONNX external data, when there is any
             shutil.move(produced, out_dir / produced.name)
     seconds = time.monotonic() - started

@@ -49,6 +49,12 @@ Why this shape:
 - Linear layers (projections, MLP, head) run on the packed tokens: no compute is spent on padding.
 - Attention runs per group. Decode rows (one query each) and prefill rows (many) would waste
   Sp-fold work on each other if padded together, so each group is padded only within itself.
+- A small step (a few rows, drafts included) wastes almost nothing padded together, and on a CPU
+  its time goes to the number of operators, not to arithmetic: a second graph, exported with
+  `single_group`, has the prefill group only (every row in it; the decode inputs are accepted and
+  ignored) and about a quarter fewer operators. The engine puts every row of a step of at most
+  SMALL_STEP_TOKENS tokens in the prefill group (engine/batch.py), which both graphs compute
+  alike, and the CPU runner sends those steps to this graph (engine/runner.py).
 - On a CPU a decode step is bound by memory traffic over the past keys/values. Gathering them per
   layer inside the graph (instead of copying every row's past into a padded batch first) touches
   each byte once, while it is hot in cache, and the [H, B, P, D] layout that Gather yields is the
@@ -64,6 +70,8 @@ Why this shape:
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 from torch import nn
@@ -107,8 +115,9 @@ class DecoderStep(nn.Module):
     """
 
     def __init__(self, hf_model, eos_ids: list[int] = (), vocab_size: int | None = None,
-                 never_ids: list[int] = ()) -> None:
+                 never_ids: list[int] = (), single_group: bool = False) -> None:
         super().__init__()
+        self.single_group = single_group
         check_supported(hf_model.config)
         inner = hf_model.model
         self.embed = inner.embed_tokens
@@ -133,6 +142,12 @@ class DecoderStep(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
+
+    def as_single_group(self) -> DecoderStep:
+        """This step with the prefill group only (see the module docstring), its modules shared."""
+        twin = copy.copy(self)
+        twin.single_group = True
+        return twin
 
     def forward(
         self,
@@ -167,9 +182,10 @@ class DecoderStep(nn.Module):
         # MatMul with prepacked weights, measurably faster at small T than the Gemm a 2-D input gets.
         h = self.embed(input_ids[None])
         cos, sin = self._rotary(position_ids)
-        groups = [(tokens, slots, _attention_bias(mask, tokens.shape[1]))
-                  for tokens, slots, mask in ((decode_tokens, decode_slots, decode_mask),
-                                              (prefill_tokens, prefill_slots, prefill_mask))]
+        inputs = [(prefill_tokens, prefill_slots, prefill_mask)]
+        if not self.single_group:
+            inputs.insert(0, (decode_tokens, decode_slots, decode_mask))
+        groups = [(tokens, slots, _attention_bias(mask, tokens.shape[1])) for tokens, slots, mask in inputs]
         # One flat Gather per layer and group: indexing key_cache[i] first would copy the whole layer.
         num_slots = key_cache.shape[2]
         flat_keys = key_cache.reshape(-1, self.head_dim)

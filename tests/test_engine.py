@@ -210,6 +210,35 @@ def test_cache_is_preallocated_once(model_dir, prompts):
     assert keys.__array_interface__["data"][0] == pointer
 
 
+def test_small_steps_run_with_every_row_in_one_group_on_the_small_step_graph(model_dir, prompts, reference):
+    """A step of at most SMALL_STEP_TOKENS tokens (decode rows included) is packed in the prefill
+    group and runs on the single-group graph; a larger one keeps its decode group and the full
+    graph; the tokens are those of each prompt alone either way (the `reference`)."""
+    from batchstring.engine.batch import SMALL_STEP_TOKENS
+    from batchstring.export.layout import SMALL_STEP_GRAPH
+
+    eng = engine(model_dir)
+    runner = eng.runner
+    assert runner.small_session._model_path.endswith(SMALL_STEP_GRAPH)
+    assert runner.session._model_path.endswith("model.onnx")
+    seen = []
+    for name in ("session", "small_session"):
+        session = getattr(runner, name)
+
+        def spy(fetches, feeds, run=session.run, name=name):
+            seen.append((name, len(feeds["input_ids"]), len(feeds["decode_tokens"])))
+            return run(fetches, feeds)
+
+        session.run = spy
+    seqs, _ = interleave(eng, prompts[:24])
+    assert [s.output_ids for s in seqs] == reference[:24]
+    small = [(tokens, decode) for name, tokens, decode in seen if name == "small_session"]
+    full = [(tokens, decode) for name, tokens, decode in seen if name == "session"]
+    assert small and all(tokens <= SMALL_STEP_TOKENS and decode == 0 for tokens, decode in small)
+    assert all(tokens > SMALL_STEP_TOKENS for tokens, _ in full)
+    assert any(decode > 0 for _, decode in full), "a crowd of decode rows keeps its own group"
+
+
 @pytest.mark.parametrize(
     ("prompt", "params", "message"),
     [

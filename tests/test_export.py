@@ -81,6 +81,35 @@ def test_dynamic_axes_are_really_dynamic(exported_tiny, tiny_checkpoint):
     assert (outputs[0] == ref[0].numpy()).all()
 
 
+def test_the_small_step_graph_computes_a_small_steps_packing_as_the_full_graph_with_fewer_operators(exported_tiny):
+    """Decode rows among prefill rows, every row in the prefill group (as the engine packs a step
+    of at most SMALL_STEP_TOKENS tokens): the single-group graph agrees with the two-group one."""
+    import onnx
+    import onnxruntime as ort
+
+    from batchstring.export.layout import SMALL_STEP_GRAPH
+    from batchstring.export.verify import Row, Sampling, pack
+
+    out, stdout = exported_tiny
+    assert "onnxruntime, small steps: greedy identical" in " ".join(stdout.split()), "verified at export"
+    full, small = (ort.InferenceSession(str(out / name), providers=["CPUExecutionProvider"])
+                   for name in ("model.onnx", SMALL_STEP_GRAPH))
+    nodes = {name: len(onnx.load(str(out / name)).graph.node) for name in ("model.onnx", SMALL_STEP_GRAPH)}
+    assert nodes[SMALL_STEP_GRAPH] < 0.85 * nodes["model.onnx"], nodes
+    rng = np.random.default_rng(1)
+    rows = [Row(rng.integers(0, 4096, new).tolist(), list(range(start, start + past)),
+                Sampling(temperature=t, uniform=0.4))
+            for (past, new, start, t) in ((40, 1, 0, 0.0), (3, 5, 50, 1.0), (0, 1, 60, 0.0), (12, 2, 70, 0.8))]
+    caches = [rng.standard_normal((2, 2, 100, 16)).astype(np.float32) for _ in range(2)]
+    feeds = pack(rows, *caches, single_group=True)
+    assert feeds["decode_tokens"].shape[0] == 0 and feeds["prefill_tokens"].shape == (4, 5)
+    ours, theirs = small.run(None, feeds), full.run(None, feeds)
+    assert (ours[0] == theirs[0]).all() and np.abs(ours[4] - theirs[4]).max() < 1e-5
+    assert np.abs(ours[5] - theirs[5]).max() < 1e-5
+    two_groups = full.run(None, pack(rows, *caches))
+    assert (two_groups[0] == ours[0]).all() and np.abs(two_groups[4] - ours[4]).max() < 1e-4
+
+
 def test_verification_catches_perturbed_weights(tiny_checkpoint):
     from transformers import AutoModelForCausalLM
 
@@ -139,9 +168,12 @@ def test_a_bfloat16_export_records_its_dtype_the_checkpoints_eos_ids_and_samplin
     (source / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": [0, 5, 7], "bos_token_id": 0, "do_sample": True, "temperature": 0.6, "top_p": 0.9}))
     out = tmp_path / "export"
+    out.mkdir()
+    (out / "model.small.onnx").write_bytes(b"an earlier float32 export's small-step graph")
     result = subprocess.run([*BATCHSTRING, "export", "--model", str(source), "--out", str(out),
                              "--dtype", "bfloat16"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
+    assert not (out / "model.small.onnx").exists(), "a 16-bit export (for GPUs) has none, and leaves no stale one"
     spec = json.loads((out / "runtime.json").read_text())
     assert spec["dtype"] == "bfloat16" and spec["eos_token_ids"] == [0, 5, 7]
     assert spec["sampling_defaults"]["temperature"] == 0.6 and spec["sampling_defaults"]["top_p"] == 0.9

@@ -46,6 +46,10 @@ PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None, use_errno=True)
 # The kernel sends the parent-death signal when the *thread* that forked the child ends, not the
 # process: every child is forked from this one thread, which lives as long as the process.
+# Triton's Python backend makes this directory when it loads and removes it only in an orderly
+# exit, which `stop` skips (tritonserver is killed: it holds nothing by then). The path is fixed in
+# the backend (`/tmp`, whatever TMPDIR says); ours is the one that appeared while it started.
+BACKEND_SCRATCH = (Path("/tmp"), "python_env_*")
 _SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchstring-spawner")
 
 
@@ -94,6 +98,7 @@ class LocalServer:
         self.ports = self.ports or Ports(*free_ports())
         self._workdir = Path(tempfile.mkdtemp(prefix="batchstring-server-"))
         self.sockets = Sockets(self._workdir / "triton")  # tritonserver's own endpoints, private
+        self._backend_scratch: set[Path] = set()
         self.log_path = self.log_path or self._workdir / "batchstring.server.log"
 
     # ----- addresses ---------------------------------------------------------------------------
@@ -147,6 +152,7 @@ class LocalServer:
         install = TritonInstall.find()
         self.clear_leftovers()
         self.sockets.prepare()
+        before = _backend_scratch()
         self.process = self._spawn(self.command(install).argv(install.binary),
                                    {**install.environment(), **self.environment})
         _terminate(self.front, 5)  # the front door watches this tritonserver's process: a new one for it
@@ -156,6 +162,8 @@ class LocalServer:
         except ServerError:
             self.stop(grace=0)  # the error carries the log tail; leave no process behind
             raise
+        finally:
+            self._backend_scratch |= _backend_scratch() - before
         return self
 
     def start_front_door(self) -> None:
@@ -207,6 +215,10 @@ class LocalServer:
         _terminate(front, self.drain_seconds + grace if grace > 0 else 0)
         proc, self.process = self.process, None
         _terminate(proc, 0)
+        for left in self._backend_scratch:  # empty unless a model used an execution environment
+            with contextlib.suppress(OSError):
+                left.rmdir()
+        self._backend_scratch.clear()
 
     def restart_front_door(self) -> None:
         _terminate(self.front, 5)
@@ -251,6 +263,11 @@ class LocalServer:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
+
+
+def _backend_scratch() -> set[Path]:
+    directory, pattern = BACKEND_SCRATCH
+    return set(directory.glob(pattern))
 
 
 def _terminate(proc: subprocess.Popen | None, grace: float) -> None:

@@ -51,7 +51,13 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def temporary_files() -> set[Path]:
+    """What a server may leave in /tmp: its work directory and the Python backend's scratch one."""
+    return {*Path("/tmp").glob("batchstring-server-*"), *Path("/tmp").glob("python_env_*")}
+
+
 def test_idle_sigterm_stops_serve_within_3_seconds_and_leaves_nothing(model_dir, tmp_path):
+    before = temporary_files()
     proc, ports, banner = serve(tmp_path)
     try:
         assert "llm ready" in banner and f"127.0.0.1:{ports[1]}" in banner, banner
@@ -64,6 +70,7 @@ def test_idle_sigterm_stops_serve_within_3_seconds_and_leaves_nothing(model_dir,
         assert took <= STOP_BOUND, f"an idle stop took {took:.1f} s"
         assert alive(processes) == []
         assert "batchstring: stopped in" in proc.stdout.read()
+        assert temporary_files() - before == set(), "no directory left in /tmp"
     finally:
         stop(proc)
 

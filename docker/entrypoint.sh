@@ -30,6 +30,15 @@ else
 fi
 RESTRICTED="model-repository,shared-memory,trace,logging:admin-key=${ADMIN_KEY}"
 unset BATCHSTRING_ADMIN_KEY
+# Triton's Python backend makes an empty /tmp/python_env_* at load and removes it only in an orderly
+# exit, which a killed tritonserver skips: remove ours when we end (in a container /tmp goes anyway).
+SCRATCH_BEFORE="$(ls -d /tmp/python_env_* 2>/dev/null || true)"
+remove_scratch() {
+  local dir
+  for dir in /tmp/python_env_*; do
+    if [ -d "$dir" ] && ! grep -qxF "$dir" <<<"$SCRATCH_BEFORE"; then rmdir "$dir" 2>/dev/null || true; fi
+  done
+}
 
 setpriv --pdeathsig KILL -- "${TRITONSERVER:-tritonserver}" \
   --model-repository="${MODEL_REPOSITORY:-/models}" \
@@ -66,6 +75,7 @@ shutdown() {  # the front door drains (Triton answers its admitted requests), th
   wait "$FRONT" || true
   kill -KILL "$TRITON" 2>/dev/null || true
   wait "$TRITON" || true
+  remove_scratch
   exit 0
 }
 trap shutdown TERM INT
@@ -75,4 +85,5 @@ wait -n "$TRITON" "$FRONT" || status=$?
 # Either one ending on its own leaves nothing to drain: requests travel through both. Stop the other now.
 kill -KILL "$TRITON" "$FRONT" 2>/dev/null || true
 wait || true
+remove_scratch
 exit $(( status == 0 ? 1 : status ))  # a failure either way: let the container restart

@@ -84,6 +84,11 @@ def alive(processes) -> list[psutil.Process]:
     return result
 
 
+def temporary_files() -> set[Path]:
+    """What a server may leave in /tmp: its work directory and the Python backend's scratch one."""
+    return {*Path("/tmp").glob("batchstring-server-*"), *Path("/tmp").glob("python_env_*")}
+
+
 def gone_within(processes, seconds: float) -> list[psutil.Process]:
     """The processes still alive after `seconds` (none, as soon as they are all gone)."""
     deadline = time.monotonic() + seconds

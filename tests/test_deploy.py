@@ -36,6 +36,7 @@ from tests.conftest import (
     kinds,
     metric_reaches,
     start_server,
+    temporary_files,
 )
 
 DOCKER = Path(__file__).resolve().parent.parent / "docker"
@@ -215,6 +216,7 @@ def wait_serving(client: BatchClient, proc: subprocess.Popen) -> None:
 def test_image_command_line_serves_the_model_behind_the_front_door(model_dir, tmp_path):
     keys = tmp_path / "api-keys"
     keys.write_text("image-key\n")
+    before = temporary_files()
     proc, http, grpc = image_command_line(model_dir, tmp_path, BATCHSTRING_API_KEY_FILE=str(keys))
     bearer = {"Authorization": "Bearer image-key"}
 
@@ -251,12 +253,14 @@ def test_image_command_line_serves_the_model_behind_the_front_door(model_dir, tm
         took = time.monotonic() - signalled
         assert took <= STOP_BOUND, f"an idle stop took {took:.1f} s"
         assert gone_within(processes, GONE_BOUND) == []
+        assert temporary_files() - before == set(), "no directory left in /tmp"
     finally:
         if proc.poll() is None:
             proc.kill()
 
 
 def test_the_image_exits_when_a_process_dies_so_that_restart_policies_act(model_dir, tmp_path):
+    before = temporary_files()
     proc, _, grpc = image_command_line(model_dir, tmp_path)
     try:
         with BatchClient(f"127.0.0.1:{grpc}") as client:
@@ -265,6 +269,7 @@ def test_the_image_exits_when_a_process_dies_so_that_restart_policies_act(model_
         processes["tritonserver"].kill()  # a crash of the server takes the container down with a failure status
         assert proc.wait(timeout=60) != 0
         assert gone_within([processes["model"]], GONE_BOUND) == [], "the model process ends with its server"
+        assert temporary_files() - before == set(), "no directory left in /tmp"
     finally:
         if proc.poll() is None:
             proc.kill()

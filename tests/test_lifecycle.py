@@ -31,6 +31,7 @@ from tests.conftest import (
     gone_within,
     kinds,
     start_server,
+    temporary_files,
 )
 
 MAX_TOKENS = 64
@@ -49,11 +50,6 @@ def stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.kill()
         proc.wait()
-
-
-def temporary_files() -> set[Path]:
-    """What a server may leave in /tmp: its work directory and the Python backend's scratch one."""
-    return {*Path("/tmp").glob("batchstring-server-*"), *Path("/tmp").glob("python_env_*")}
 
 
 def test_idle_sigterm_stops_serve_within_3_seconds_and_leaves_nothing(model_dir, tmp_path):

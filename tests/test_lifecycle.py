@@ -88,10 +88,12 @@ def test_sigterm_under_load_loses_nothing_with_a_second_server(request, model_di
         # Few items in flight at a time: the call keeps sending new ones while the server drains.
         async with AsyncBatchClient([f"127.0.0.1:{ports[1]}", other.grpc_url], max_in_flight=16) as client:
             call = asyncio.create_task(client.batchstring(prompts, max_tokens=MAX_TOKENS, ignore_eos=True))
-            generated = 0.0
-            while generated < MAX_TOKENS:  # the server to stop is busy with the call, most of it unsent
+            busy = {}
+            # the server to stop is busy with the call (generating, requests running), most of it unsent
+            while busy.get("batchstring_generated_tokens_total", 0) < MAX_TOKENS or \
+                    not busy.get("batchstring_running_sequences", 0):
                 await asyncio.sleep(0.1)
-                generated = (await asyncio.to_thread(metrics, metrics_url)).get("batchstring_generated_tokens_total", 0)
+                busy = await asyncio.to_thread(metrics, metrics_url)
             assert not call.done(), "the call ended before the stop: make it longer"
             signalled = time.monotonic()
             proc.send_signal(signal.SIGTERM)

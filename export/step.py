@@ -57,10 +57,13 @@ Why this shape:
   alike, and the CPU runner sends those steps to this graph (engine/runner.py).
 - On a CPU a decode step is bound by memory traffic over the past keys/values. Gathering them per
   layer inside the graph (instead of copying every row's past into a padded batch first) touches
-  each byte once, while it is hot in cache, and the [H, B, P, D] layout that Gather yields is the
-  one the attention matmuls consume, so past keys/values are never concatenated or transposed:
+  each byte once, while it is hot in cache, and the [H, B, 1, P, D] layout that Gather yields is
+  the one the attention matmuls consume, so past keys/values are never concatenated or transposed:
   scores for past and new keys are computed apart and joined (they are D times smaller).
 - Keys are cached after the rotary embedding, as HF's cache does.
+- On a small step the operators' count, not their arithmetic, sets the time: whatever is the same
+  in every layer is computed once per step (the gathers' row offsets, the attention scale, folded
+  into the queries' rotary factors), and index shapes carry the axes the matmuls broadcast over.
 - No tensor is created on a device named in the code: a trace records such a device as a
   constant, and `torch.jit.load(map_location=...)` moves only parameters and buffers. Fixed
   index tensors are buffers (they move with the weights); everything sized at run time is built
@@ -131,10 +134,13 @@ class DecoderStep(nn.Module):
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = attn.head_dim
-        self.scaling = attn.scaling
         rotary = inner.rotary_emb
         self.register_buffer("inv_freq", rotary.inv_freq.detach().clone().float(), persistent=False)
-        self.register_buffer("kv_head_index", torch.arange(self.num_kv_heads)[:, None, None], persistent=False)
+        self.register_buffer("kv_head_index", torch.arange(self.num_kv_heads)[:, None, None, None], persistent=False)
+        # The attention scale rides on the queries' rotary factors: one multiply per step, not per layer
+        # (in the model's dtype, as the weights: the export's dtype check reads every constant).
+        head_scale = torch.tensor([attn.scaling] * self.num_heads + [1.0] * self.num_kv_heads)
+        self.register_buffer("head_scale", head_scale[None, :, None].to(self.dtype), persistent=False)
         self.rope_scale = float(rotary.attention_scaling)
         self.vocab_size = min(vocab_size or self.lm_head.out_features, self.lm_head.out_features)
         self.sampler = SamplingHead(self.vocab_size, list(eos_ids), list(never_ids))
@@ -190,25 +196,24 @@ class DecoderStep(nn.Module):
         num_slots = key_cache.shape[2]
         flat_keys = key_cache.reshape(-1, self.head_dim)
         flat_values = value_cache.reshape(-1, self.head_dim)
-        heads = self.kv_head_index * num_slots
-        new_keys, new_values = [], []
+        layer_stride = self.num_kv_heads * num_slots
+        past_rows = [self.kv_head_index * num_slots + slots[None, :, None] for _, slots, _ in groups]  # [H, B, 1, P]
+        new_kv = []
         q_heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = _rms_norm(layer.input_layernorm, h)
             q, k = attn.q_proj(x).view(-1, q_heads, dim), attn.k_proj(x).view(-1, kv_heads, dim)
-            qk = _rotate(torch.cat((q, k), 1), cos, sin)  # rotary once for queries and keys
+            qk = _rotate(torch.cat((q, k), 1), cos, sin)  # rotary (and the queries' scale) once for both
             qkv = torch.cat((qk, attn.v_proj(x).view(-1, kv_heads, dim)), 1)  # [T, Hq + 2H, D]
             outs = []
-            for tokens, slots, bias in groups:
-                rows = heads + slots[None] + i * kv_heads * num_slots  # [H, B, P]
+            for (tokens, _, bias), rows in zip(groups, past_rows):
+                rows = rows + i * layer_stride if i else rows
                 q_g, k_g, v_g = _take(qkv, tokens).split((q_heads, kv_heads, kv_heads), dim=2)
                 outs.append(self._attention(q_g, k_g, v_g, bias, _take(flat_keys, rows), _take(flat_values, rows)))
-            h = h + attn.o_proj(_take(torch.cat(outs), token_order)[None])
+            h = h + attn.o_proj(torch.index_select(torch.cat(outs, 1), 1, token_order))
             h = h + layer.mlp(_rms_norm(layer.post_attention_layernorm, h))
-            new_kv = qkv[:, q_heads:].transpose(0, 1)  # [2H, T, D]
-            new_keys.append(new_kv[:kv_heads])
-            new_values.append(new_kv[kv_heads:])
+            new_kv.append(qkv[:, q_heads:])  # [T, 2H, D]
         last = _take(h[0], logit_tokens)[None]
         logits = self.lm_head(_rms_norm(self.norm, last))[0].float()
         if self.vocab_size < logits.shape[1]:
@@ -216,32 +221,35 @@ class DecoderStep(nn.Module):
         sampled = self.sampler(logits, ban_rows, sample_rows, temperature, top_k, top_p, uniform, min_p,
                                mask_rows, token_mask, adjust_rows, adjust_tokens, adjust_bias, adjust_scale,
                                adjust_shift)
-        return (*sampled, logits, torch.stack(new_keys), torch.stack(new_values))
+        new_keys, new_values = torch.stack(new_kv).transpose(1, 2).split(kv_heads, dim=1)  # [L, H, T, D] each
+        return (*sampled, logits, new_keys, new_values)
 
     def _rotary(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, Hq + H, D] for the queries' and keys' heads, the queries' scaled by the
+        attention scale (rotation is linear: scaling the rotated query scales its scores)."""
         freqs = position_ids[:, None].float() * self.inv_freq  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
-        return (emb.cos() * self.rope_scale).to(self.dtype), (emb.sin() * self.rope_scale).to(self.dtype)
+        return ((emb.cos() * self.rope_scale).to(self.dtype) * self.head_scale,
+                (emb.sin() * self.rope_scale).to(self.dtype) * self.head_scale)
 
     def _attention(self, q, k, v, bias, past_k, past_v):
-        """Grouped-query attention of one group; q [B, S, Hq, D], k/v [B, S, H, D], past [H, B, P, D].
+        """Grouped-query attention of one group; q [B, S, Hq, D] (already scaled), k/v [B, S, H, D],
+        past [H, B, 1, P, D] (the 1 broadcasts over a kv head's query group).
 
-        Returns [B * S, Hq * D], the rows in the group's (row, position) order.
+        Returns [1, B * S, Hq * D], the rows in the group's (row, position) order.
         """
         b, s = q.shape[:2]
-        group = self.num_heads // self.num_kv_heads
-        q = q.view(b, s, self.num_kv_heads, group, self.head_dim).permute(2, 0, 3, 1, 4)  # [H, B, G, S, D]
-        k = k.permute(2, 0, 1, 3)  # [H, B, S, D]
-        v = v.permute(2, 0, 1, 3)
-        scores = torch.cat(
-            (torch.matmul(q, past_k[:, :, None].transpose(-1, -2)), torch.matmul(q, k[:, :, None].transpose(-1, -2))),
-            dim=-1,
-        ) * self.scaling  # [H, B, G, S, P+S]
+        heads, group, dim = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        q = q.view(b, s, heads, group, dim).permute(2, 0, 3, 1, 4)  # [H, B, G, S, D]
+        k = k.view(b, s, heads, 1, dim).permute(2, 0, 3, 1, 4)  # [H, B, 1, S, D]
+        v = v.view(b, s, heads, 1, dim).permute(2, 0, 3, 1, 4)
+        scores = torch.cat((torch.matmul(q, past_k.transpose(-1, -2)), torch.matmul(q, k.transpose(-1, -2))),
+                           dim=-1)  # [H, B, G, S, P+S]
         probs = torch.softmax(scores.float() + bias, dim=-1).to(v.dtype)
-        past_len = past_k.shape[2]
-        out = torch.matmul(probs[..., :past_len], past_v[:, :, None])
-        out = out + torch.matmul(probs[..., past_len:], v[:, :, None])
-        return out.permute(1, 3, 0, 2, 4).reshape(b * s, self.num_heads * self.head_dim)
+        past_len = past_k.shape[3]
+        on_past, on_new = probs.split((past_len, s), dim=-1)
+        out = torch.matmul(on_past, past_v) + torch.matmul(on_new, v)
+        return out.permute(1, 3, 0, 2, 4).reshape(1, b * s, self.num_heads * dim)
 
 
 def _attention_bias(attention_mask: torch.Tensor, new_len: int) -> torch.Tensor:

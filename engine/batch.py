@@ -84,8 +84,10 @@ class StepBatch:
 
 def build_step(work: list[Work], blocks: BlockManager, rng: np.random.Generator | None = None) -> StepBatch:
     single_group = sum(w.new for w in work) <= SMALL_STEP_TOKENS
-    decode = [] if single_group else [w for w in work if w.new == 1]
-    prefill = work if single_group else [w for w in work if w.new > 1]
+    decode = [w for w in work if w.new == 1]
+    prefill = [w for w in work if w.new > 1]
+    if single_group and prefill:  # rows of one token join the others in the prefill group
+        decode, prefill = [], work
     d = _decode_group(decode, blocks)
     ids, positions, writes, order, logit_tokens = d.ids, d.positions, d.writes, d.order, d.last
     p_tokens, p_slots, p_mask = _EMPTY_PREFILL
@@ -104,9 +106,13 @@ def build_step(work: list[Work], blocks: BlockManager, rng: np.random.Generator 
         logit_tokens = logit_tokens[keep]
         sampled = [w.seq for w, n in zip(ordered, outputs) if w.samples for _ in range(n)]
     sampling = sampling_inputs(sampled, rng or np.random.default_rng())
+    groups = (d.tokens, d.slots, d.mask), (p_tokens, p_slots, p_mask)
+    if single_group and not prefill:  # the decode group, built without a per-row loop, is a prefill group of width 1
+        groups = _EMPTY_DECODE, groups[0]
+    (d_tokens, d_slots, d_mask), (p_tokens, p_slots, p_mask) = groups
     feeds = {
         "input_ids": ids, "position_ids": positions,
-        "decode_tokens": d.tokens, "decode_slots": d.slots, "decode_mask": d.mask,
+        "decode_tokens": d_tokens, "decode_slots": d_slots, "decode_mask": d_mask,
         "prefill_tokens": p_tokens, "prefill_slots": p_slots, "prefill_mask": p_mask,
         "token_order": order, "logit_tokens": logit_tokens, **vars(sampling),
     }
@@ -114,6 +120,7 @@ def build_step(work: list[Work], blocks: BlockManager, rng: np.random.Generator 
 
 
 _EMPTY_PREFILL = (np.zeros((0, 0), np.int64), np.zeros((0, 0), np.int64), np.zeros((0, 0), bool))
+_EMPTY_DECODE = (np.zeros((0, 1), np.int64), np.zeros((0, 0), np.int64), np.zeros((0, 1), bool))
 
 
 def _decode_group(decode: list[Work], blocks: BlockManager) -> _Group:
@@ -121,8 +128,7 @@ def _decode_group(decode: list[Work], blocks: BlockManager) -> _Group:
     n, size = len(decode), blocks.block_size
     if not n:
         empty = np.zeros(0, np.int64)
-        return _Group(empty, empty, np.zeros((0, 1), np.int64), np.zeros((0, 0), np.int64), np.zeros((0, 1), bool),
-                      empty, empty, empty)
+        return _Group(empty, empty, *_EMPTY_DECODE, empty, empty, empty)
     info = np.array([(w.seq.row, w.seq.num_cached, w.seq.token_at(w.seq.num_cached)) for w in decode], np.int64)
     rows, past, ids = info[:, 0], info[:, 1], info[:, 2]
     width = int(past.max())

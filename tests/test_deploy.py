@@ -373,6 +373,48 @@ def test_every_file_the_dockerfile_copies_from_the_repository_exists():
     assert missing == [], f"the Dockerfile copies files that are not in the repository: {missing}"
 
 
+def test_the_image_copies_every_module_the_serving_code_imports():
+    """model.py, the engine, the front door and the client run in the image from what its server
+    stage copies under /opt/batchstring/batchstring: every `batchstring.*` module they import,
+    and what those import in turn, must be among the copies (a missing one fails the model's load,
+    not the build)."""
+    import ast
+
+    root = DOCKER.parent
+    copied: list[str] = []
+    lines = (DOCKER / "Dockerfile").read_text().replace("\\\n", " ").splitlines()
+    for words in (line.split() for line in lines):
+        if words[:1] == ["COPY"] and words[-1].startswith("/opt/batchstring/batchstring/"):
+            copied += [w for w in words[1:-1] if not w.startswith("--")]
+
+    def is_copied(path: Path) -> bool:
+        relative = path.relative_to(root).as_posix()
+        return any(relative == c or (c.endswith("/") and relative.startswith(c)) for c in copied)
+
+    def module_file(name: str) -> Path:
+        parts = name.split(".")[1:]
+        module = root.joinpath(*parts)
+        return module / "__init__.py" if module.is_dir() else module.with_suffix(".py")
+
+    pending = [*root.glob("engine/*.py"), *root.glob("frontdoor/*.py"), *root.glob("client/*.py"),
+               *(root / "model_repository" / "llm" / "1").glob("*.py")]
+    seen, missing = set(), []
+    while pending:
+        path = pending.pop()
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            for name in names:
+                if not name.startswith("batchstring.") or name in seen:
+                    continue
+                seen.add(name)
+                target = module_file(name)
+                if not is_copied(target):
+                    missing.append(f"{name} ({path.relative_to(root)})")
+                pending.append(target)
+    assert len(seen) > 20 and missing == [], f"imported by the serving code but not copied into the image: {missing}"
+
+
 def test_the_image_exits_when_its_model_process_dies_so_that_restart_policies_act(model_dir, tmp_path):
     proc, http, grpc = image_command_line(model_dir, tmp_path, BATCHSTRING_EXIT_WHEN_UNREADY="2")
     try:

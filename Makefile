@@ -52,4 +52,4 @@ lint: $(INSTALLED)
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) .venv-genai-perf results tests/logs $(addprefix $(VERSION_DIR)/,model.onnx model.onnx.data model.small.onnx model.pt tokenizer.json runtime.json)
+	rm -rf $(VENV) .venv-genai-perf results tests/logs $(addprefix $(VERSION_DIR)/,model.onnx model.onnx.data model.small.onnx model.small.onnx.data model.pt tokenizer.json runtime.json)

@@ -31,7 +31,8 @@ fi
 RESTRICTED="model-repository,shared-memory,trace,logging:admin-key=${ADMIN_KEY}"
 unset BATCHSTRING_ADMIN_KEY
 # Triton's Python backend makes an empty /tmp/python_env_* at load and removes it only in an orderly
-# exit, which a killed tritonserver skips: remove ours when we end (in a container /tmp goes anyway).
+# exit, which a killed tritonserver skips: remove ours when we end (in a container /tmp goes anyway;
+# outside one, only empty ones that appeared since we started are removed).
 SCRATCH_BEFORE="$(ls -d /tmp/python_env_* 2>/dev/null || true)"
 remove_scratch() {
   local dir

@@ -77,7 +77,7 @@ class _Group:
 class StepBatch:
     feeds: dict[str, np.ndarray]  # the step's inputs, caches excepted
     write_slots: np.ndarray  # [T] cache slot of each new token, in packed order
-    work: list[Work]  # every sequence in the step (decode rows first)
+    work: list[Work]  # every sequence in the step, in packed order (decode group first, if any)
     sampled: list[Sequence]  # the R sequences whose next token comes back, in output order
     sampling: SamplingInputs
 

@@ -50,10 +50,11 @@ def _host_available() -> int:
 def weight_bytes(model_dir: Path, runtime: str, device: str = "cpu", threads: int = 1) -> int:
     """What the runtime will hold: the ONNX graph and its external data, or the TorchScript file;
     on the CPU with `threads` 0, ONNX Runtime's second session too (engine/runner.py OnnxRunner)."""
-    names = ["model.pt"] if runtime == "torchscript" else ["model.onnx", "model.onnx.data"]
+    graphs = ["model.pt"] if runtime == "torchscript" else ["model.onnx"]
     if runtime != "torchscript" and device == "cpu" and threads == 0:
-        names.append(SMALL_STEP_GRAPH if (model_dir / SMALL_STEP_GRAPH).exists() else "model.onnx")
-    return sum((model_dir / n).stat().st_size for n in names if (model_dir / n).exists())
+        graphs.append(SMALL_STEP_GRAPH if (model_dir / SMALL_STEP_GRAPH).exists() else "model.onnx")
+    files = [model_dir / name for graph in graphs for name in (graph, f"{graph}.data")]  # with external weights
+    return sum(f.stat().st_size for f in files if f.exists())
 
 
 def activation_bytes(spec, max_num_batched_tokens: int, max_num_seqs: int, max_past: int) -> int:

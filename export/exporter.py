@@ -237,7 +237,7 @@ def export_model(
                 del truth
         max_diff = report(console, cases, greedy, dtype)
         out_dir.mkdir(parents=True, exist_ok=True)
-        for optional in (SMALL_STEP_GRAPH, "model.onnx.data"):  # an earlier export's, which this one replaces
+        for optional in ("model.onnx.data", SMALL_STEP_GRAPH, f"{SMALL_STEP_GRAPH}.data"):  # an earlier export's
             if not (scratch / optional).exists():
                 (out_dir / optional).unlink(missing_ok=True)
         for produced in scratch.iterdir():  # includes ONNX external data, when there is any

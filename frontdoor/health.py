@@ -42,12 +42,20 @@ class ModelProcess:
     so `has_been_ready` is true as soon as anyone was told "ready": a model that dies between two
     polls of the watch has still served, and its death is not mistaken for a slow load."""
 
+    LOOK_EVERY = 0.5  # seconds: a /proc scan runs on the event loop; probes may come much more often
+
     def __init__(self, triton_pid: int | None = None) -> None:
         self.triton_pid = triton_pid
         self.has_been_ready = False
+        self._looked, self._gone = -self.LOOK_EVERY, False
 
     def gone(self) -> bool:
-        return self.triton_pid is not None and not stub_alive(self.triton_pid)
+        if self.triton_pid is None:
+            return False
+        now = time.monotonic()
+        if now - self._looked >= self.LOOK_EVERY:
+            self._looked, self._gone = now, not stub_alive(self.triton_pid)
+        return self._gone
 
     def judge(self, triton_ready: bool) -> bool:
         ready = triton_ready and not self.gone()

@@ -104,11 +104,10 @@ def make_app(upstream: Upstream, limits: Limits, openai: OpenAIRoutes | None = N
         return await upstream.forward(request, body, tenant)
 
     async def readiness(request: web.Request) -> web.StreamResponse:
-        if upstream.model.gone():
+        response = await upstream.forward(request, b"")
+        if response.status == 200 and not upstream.model.judge(True):
             return error(503, "the model process is gone (Triton still reports the model ready); "
                               "the server is being restarted")
-        response = await upstream.forward(request, b"")
-        upstream.model.judge(response.status == 200)
         return response
 
     app = web.Application(client_max_size=limits.max_body_bytes,

@@ -44,12 +44,14 @@ DRAIN_SECONDS = 5.0  # the front door's default (frontdoor/main.py)
 STOP_SECONDS = 3.0  # what a drained front door needs to close and exit
 PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None, use_errno=True)
-# The kernel sends the parent-death signal when the *thread* that forked the child ends, not the
-# process: every child is forked from this one thread, which lives as long as the process.
 # Triton's Python backend makes this directory when it loads and removes it only in an orderly
 # exit, which `stop` skips (tritonserver is killed: it holds nothing by then). The path is fixed in
-# the backend (`/tmp`, whatever TMPDIR says); ours is the one that appeared while it started.
+# the backend (`/tmp`, whatever TMPDIR says); ours is the one that appeared while it started (one
+# another server made meanwhile may be taken for ours: only an empty one is removed, and an empty
+# one is used only for execution environments, which this model has none of).
 BACKEND_SCRATCH = (Path("/tmp"), "python_env_*")
+# The kernel sends the parent-death signal when the *thread* that forked the child ends, not the
+# process: every child is forked from this one thread, which lives as long as the process.
 _SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchstring-spawner")
 
 
@@ -160,10 +162,10 @@ class LocalServer:
         try:
             self.wait_ready()
         except ServerError:
+            self._backend_scratch |= _backend_scratch() - before
             self.stop(grace=0)  # the error carries the log tail; leave no process behind
             raise
-        finally:
-            self._backend_scratch |= _backend_scratch() - before
+        self._backend_scratch |= _backend_scratch() - before
         return self
 
     def start_front_door(self) -> None:

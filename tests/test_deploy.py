@@ -424,6 +424,9 @@ def test_the_image_exits_when_its_model_process_dies_so_that_restart_policies_ac
                         if "triton_python_backend_stub" in " ".join(p.cmdline()))
             stub.kill()  # Triton itself keeps saying the model is ready; the front door knows better
             assert gone_within([stub], GONE_BOUND) == []
+            deadline = time.monotonic() + 2  # the front door looks for the stub at most twice a second
+            while client.ready() and time.monotonic() < deadline:
+                time.sleep(0.1)
             assert not client.ready(), "gRPC readiness is judged as HTTP's is"
         with pytest.raises(urllib.error.HTTPError) as unready:
             urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/models/llm/ready", timeout=5)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from batchstring.engine.config import AUTO, EngineConfig
-from batchstring.engine.memory import INDEX_LIMIT, activation_bytes, auto_plan, configured_plan
+from batchstring.engine.memory import INDEX_LIMIT, activation_bytes, auto_plan, configured_plan, weight_bytes
 from batchstring.engine.runner import RuntimeSpec, check_providers, ort_element_type, ort_providers
 from batchstring.export import artifacts
 from batchstring.export.layout import REPO_ROOT
@@ -240,3 +240,17 @@ def test_a_gpu_check_stage_ends_at_its_limit_and_the_report_holds_every_stage_so
     assert [(s["name"], s["status"]) for s in report["stages"]] == [("slow", "FAIL"), ("failing", "FAIL"),
                                                                     ("late", "FAIL")]
     assert "### failing: FAIL" in (tmp_path / "report.md").read_text()
+
+
+def test_the_weights_counted_are_those_each_runtime_loads(tmp_path):
+    """The CPU's ONNX Runtime with `threads` 0 holds two sessions (the second on the small-step
+    graph when the export wrote one); GPU runners hold one; external weights count with their graph."""
+    for name, size in (("model.onnx", 10), ("model.onnx.data", 20), ("model.small.onnx", 5),
+                       ("model.small.onnx.data", 7), ("model.pt", 3)):
+        (tmp_path / name).write_bytes(b"x" * size)
+    assert weight_bytes(tmp_path, "onnxruntime", "cpu", 0) == 10 + 20 + 5 + 7
+    assert weight_bytes(tmp_path, "onnxruntime", "cpu", 4) == weight_bytes(tmp_path, "onnxruntime", "cuda:0") == 30
+    assert weight_bytes(tmp_path, "torchscript", "cpu", 0) == 3
+    for name in ("model.small.onnx", "model.small.onnx.data"):
+        (tmp_path / name).unlink()
+    assert weight_bytes(tmp_path, "onnxruntime", "cpu", 0) == 2 * 30, "a second session of model.onnx"

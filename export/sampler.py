@@ -57,7 +57,36 @@ class SamplingHead(nn.Module):
         bits = torch.tensor([1 << b for b in range(31)] + [-(1 << 31)], dtype=torch.int32)
         self.register_buffer("bits", bits[None, None, :], persistent=False)  # bit b of an int32 word
 
-    def forward(
+    def forward(self, logits: torch.Tensor, ban_rows: torch.Tensor, sample_rows: torch.Tensor,
+                *rest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`_choose`, or only its argmax when no row samples, wants log-probabilities, has EOS
+        banned, follows a grammar or has a logit adjustment: the common greedy step then skips the
+        head's ~130 operators. Exported (torch.export, ONNX) this is one `If` on the inputs' shapes;
+        a TorchScript trace records no control flow, so it keeps the whole head, which gives the
+        same tokens."""
+        mask_rows, adjust_rows = rest[5], rest[7]  # in `_choose`'s order
+        operands = (logits, ban_rows, sample_rows, *rest)
+        if torch.jit.is_tracing():
+            return self._choose(*operands)
+        plain = ban_rows.shape[0] + sample_rows.shape[0] + mask_rows.shape[0] + adjust_rows.shape[0] == 0
+        if not torch.compiler.is_exporting():
+            return (self._argmax if plain else self._choose)(*operands)
+        return torch.cond(plain, self._argmax, self._dense_choose, operands)
+
+    def _argmax(self, logits: torch.Tensor, ban_rows: torch.Tensor, sample_rows: torch.Tensor,
+                *rest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What `_choose` returns when every row is plain greedy: the argmax, and no sampled rows."""
+        if self.never_mask is not None:
+            logits = torch.where(self.never_mask[None, :], float("-inf"), logits)
+        no_ids = sample_rows[:, None] * self.rank[:, : self.top_n]  # [0, n]: the branches' shapes agree
+        temperature = rest[0]
+        return logits.argmax(-1), temperature * 0, no_ids, no_ids.float()
+
+    def _dense_choose(self, *operands: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`_choose` with dense outputs, as `torch.cond` requires of both branches."""
+        return tuple(t.contiguous() for t in self._choose(*operands))
+
+    def _choose(
         self,
         logits: torch.Tensor,  # [R, V] float32
         ban_rows: torch.Tensor,  # [K] rows (of R) whose end-of-sequence ids are banned

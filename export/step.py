@@ -61,6 +61,9 @@ Why this shape:
   the one the attention matmuls consume, so past keys/values are never concatenated or transposed:
   scores for past and new keys are computed apart and joined (they are D times smaller).
 - Keys are cached after the rotary embedding, as HF's cache does.
+- q/k/v and gate/up are one projection each (`StepLayer`), and one rotation covers every head of
+  the fused projection (the values' factors are cos 1, sin 0): five matrix multiplies per layer
+  become two, and no outputs are concatenated.
 - On a small step the operators' count, not their arithmetic, sets the time: whatever is the same
   in every layer is computed once per step (the gathers' row offsets, the attention scale, folded
   into the queries' rotary factors), and index shapes carry the axes the matmuls broadcast over.
@@ -123,13 +126,13 @@ class DecoderStep(nn.Module):
         self.single_group = single_group
         check_supported(hf_model.config)
         inner = hf_model.model
-        self.embed = inner.embed_tokens
-        self.layers = inner.layers
-        self.norm = inner.norm
-        self.lm_head = hf_model.lm_head
-        attn = self.layers[0].self_attn
+        attn = inner.layers[0].self_attn
         if hasattr(attn, "q_norm"):
             raise UnsupportedModel("per-head q/k normalisation (Qwen3-style) is not supported")
+        self.embed = inner.embed_tokens
+        self.layers = nn.ModuleList(StepLayer(layer) for layer in inner.layers)
+        self.norm = inner.norm
+        self.lm_head = hf_model.lm_head
         cfg = hf_model.config
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -137,10 +140,14 @@ class DecoderStep(nn.Module):
         rotary = inner.rotary_emb
         self.register_buffer("inv_freq", rotary.inv_freq.detach().clone().float(), persistent=False)
         self.register_buffer("kv_head_index", torch.arange(self.num_kv_heads)[:, None, None, None], persistent=False)
-        # The attention scale rides on the queries' rotary factors: one multiply per step, not per layer
-        # (in the model's dtype, as the weights: the export's dtype check reads every constant).
-        head_scale = torch.tensor([attn.scaling] * self.num_heads + [1.0] * self.num_kv_heads)
+        # The rotary factors cover every head of the fused projection: the queries' carry the attention
+        # scale (one multiply per step, not per layer), the values' are cos 1, sin 0 (left as they are).
+        # In the model's dtype, as the weights: the export's dtype check reads every constant.
+        heads = (self.num_heads, self.num_kv_heads, self.num_kv_heads)
+        head_scale = torch.tensor([attn.scaling] * heads[0] + [1.0] * heads[1] + [0.0] * heads[2])
+        value_heads = torch.tensor([0.0] * (heads[0] + heads[1]) + [1.0] * heads[2])
         self.register_buffer("head_scale", head_scale[None, :, None].to(self.dtype), persistent=False)
+        self.register_buffer("value_heads", value_heads[None, :, None].to(self.dtype), persistent=False)
         self.rope_scale = float(rotary.attention_scaling)
         self.vocab_size = min(vocab_size or self.lm_head.out_features, self.lm_head.out_features)
         self.sampler = SamplingHead(self.vocab_size, list(eos_ids), list(never_ids))
@@ -201,17 +208,14 @@ class DecoderStep(nn.Module):
         new_kv = []
         q_heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
             x = _rms_norm(layer.input_layernorm, h)
-            q, k = attn.q_proj(x).view(-1, q_heads, dim), attn.k_proj(x).view(-1, kv_heads, dim)
-            qk = _rotate(torch.cat((q, k), 1), cos, sin)  # rotary (and the queries' scale) once for both
-            qkv = torch.cat((qk, attn.v_proj(x).view(-1, kv_heads, dim)), 1)  # [T, Hq + 2H, D]
+            qkv = _rotate(layer.qkv(x).view(-1, q_heads + 2 * kv_heads, dim), cos, sin)  # [T, Hq + 2H, D]
             outs = []
             for (tokens, _, bias), rows in zip(groups, past_rows):
                 rows = rows + i * layer_stride if i else rows
                 q_g, k_g, v_g = _take(qkv, tokens).split((q_heads, kv_heads, kv_heads), dim=2)
                 outs.append(self._attention(q_g, k_g, v_g, bias, _take(flat_keys, rows), _take(flat_values, rows)))
-            h = h + attn.o_proj(torch.index_select(torch.cat(outs, 1), 1, token_order))
+            h = h + layer.o_proj(torch.index_select(torch.cat(outs, 1), 1, token_order))
             h = h + layer.mlp(_rms_norm(layer.post_attention_layernorm, h))
             new_kv.append(qkv[:, q_heads:])  # [T, 2H, D]
         last = _take(h[0], logit_tokens)[None]
@@ -225,11 +229,12 @@ class DecoderStep(nn.Module):
         return (*sampled, logits, new_keys, new_values)
 
     def _rotary(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, Hq + H, D] for the queries' and keys' heads, the queries' scaled by the
-        attention scale (rotation is linear: scaling the rotated query scales its scores)."""
+        """cos and sin [T, Hq + 2H, D] for every head of the fused projection: the queries' scaled
+        by the attention scale (rotation is linear: scaling the rotated query scales its scores),
+        the values' cos 1 and sin 0, so one rotation per layer leaves them exactly as they were."""
         freqs = position_ids[:, None].float() * self.inv_freq  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
-        return ((emb.cos() * self.rope_scale).to(self.dtype) * self.head_scale,
+        return ((emb.cos() * self.rope_scale).to(self.dtype) * self.head_scale + self.value_heads,
                 (emb.sin() * self.rope_scale).to(self.dtype) * self.head_scale)
 
     def _attention(self, q, k, v, bias, past_k, past_v):
@@ -250,6 +255,42 @@ class DecoderStep(nn.Module):
         on_past, on_new = probs.split((past_len, s), dim=-1)
         out = torch.matmul(on_past, past_v) + torch.matmul(on_new, v)
         return out.permute(1, 3, 0, 2, 4).reshape(1, b * s, self.num_heads * dim)
+
+
+class StepLayer(nn.Module):
+    """One decoder layer's weights as the step runs them: q, k and v as one projection, gate and
+    up as another (two matrix multiplies where the checkpoint has five, and no concatenation of
+    their outputs). Only the fused copies are held, so neither export file stores a layer's
+    projection twice; the norms, o_proj and down_proj are the checkpoint's own modules."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        attn, mlp = layer.self_attn, layer.mlp
+        self.input_layernorm = layer.input_layernorm
+        self.post_attention_layernorm = layer.post_attention_layernorm
+        self.qkv = _fused_linear(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.o_proj = attn.o_proj
+        self.gate_up = _fused_linear(mlp.gate_proj, mlp.up_proj)
+        self.down_proj = mlp.down_proj
+        self.act_fn = mlp.act_fn
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+def _fused_linear(*parts: nn.Linear) -> nn.Linear:
+    """One Linear whose outputs are `parts`' outputs side by side (a missing bias counts as zeros)."""
+    weight = parts[0].weight
+    has_bias = any(p.bias is not None for p in parts)
+    fused = nn.Linear(weight.shape[1], sum(p.out_features for p in parts), bias=has_bias,
+                      device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([p.weight for p in parts]))
+        if has_bias:
+            fused.bias.copy_(torch.cat([p.bias if p.bias is not None else torch.zeros_like(p.weight[:, 0])
+                                        for p in parts]))
+    return fused.requires_grad_(False)
 
 
 def _attention_bias(attention_mask: torch.Tensor, new_len: int) -> torch.Tensor:

@@ -185,3 +185,52 @@ def test_a_bfloat16_export_records_its_dtype_the_checkpoints_eos_ids_and_samplin
     seq = engine.make_sequence("def f(x):", SamplingParams(max_tokens=12, temperature=0), lambda o: None)
     engine.generate([seq])
     assert 0 < len(seq.output_ids) <= 12 and not set(seq.output_ids[:-1]) & {0, 5, 7}, "any EOS id ends it"
+
+
+def test_a_plain_greedy_step_skips_the_sampling_head_and_picks_what_the_whole_head_picks(exported_tiny):
+    """The ONNX step branches (one `If`) to a bare argmax when no row samples, wants
+    log-probabilities, has EOS banned, follows a grammar or has an adjustment; the TorchScript trace
+    always runs the whole head. Both must pick the same tokens, on either side of the branch."""
+    import onnx
+    import onnxruntime as ort
+
+    from batchstring.export.verify import Row, Sampling, pack
+
+    out, _ = exported_tiny
+    graph = onnx.load(str(out / "model.onnx")).graph
+    (branch,) = [node for node in graph.node if node.op_type == "If"]
+    ops = {attr.name: {n.op_type for n in attr.g.node} for attr in branch.attribute}
+    assert "ArgMax" in ops["then_branch"] and not {"TopK", "CumSum"} & ops["then_branch"], ops
+    assert {"TopK", "CumSum"} <= ops["else_branch"], ops
+    session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
+    traced = torch.jit.load(str(out / "model.pt"))
+    rng = np.random.default_rng(2)
+    caches = [rng.standard_normal((2, 2, 80, 16)).astype(np.float32) for _ in range(2)]
+    plain = [Row(rng.integers(0, 4096, new).tolist(), list(range(start, start + past)))
+             for past, new, start in ((20, 1, 0), (0, 6, 20), (9, 1, 30), (4, 3, 40))]
+    neutral = {"adjust_rows": np.array([1]), "adjust_tokens": np.array([7]), "adjust_bias": np.zeros(1, np.float32),
+               "adjust_scale": np.ones(1, np.float32), "adjust_shift": np.zeros(1, np.float32)}
+    banned = [Row(r.new_ids, r.past_slots, Sampling(ban_eos=i == 2)) for i, r in enumerate(plain)]
+    for feeds in (pack(plain, *caches), {**pack(plain, *caches), **neutral}, pack(banned, *caches)):
+        ours = session.run(None, feeds)
+        with torch.no_grad():
+            theirs = traced(*(torch.from_numpy(feeds[name]) for name in artifacts.INPUT_NAMES))
+        assert (ours[0] == theirs[0].numpy()).all()
+        assert ours[2].shape == (0, theirs[2].shape[1]) == tuple(theirs[2].shape)
+        assert np.abs(ours[4] - theirs[4].numpy()).max() < 1e-4
+
+
+def test_the_exported_files_hold_each_weight_once(exported_tiny, tiny_checkpoint):
+    """The step fuses q/k/v and gate/up into one projection each; the fused copies replace the
+    checkpoint's modules in what is saved, so the files are no larger than the checkpoint."""
+    import onnx
+    from transformers import AutoModelForCausalLM
+
+    out, _ = exported_tiny
+    checkpoint = AutoModelForCausalLM.from_pretrained(tiny_checkpoint).num_parameters()
+    traced = torch.jit.load(str(out / "model.pt"))
+    assert sum(p.numel() for p in traced.parameters()) == checkpoint
+    initializers = onnx.load(str(out / "model.onnx")).graph.initializer
+    large = sum(int(np.prod(t.dims)) for t in initializers
+                if t.data_type == onnx.TensorProto.FLOAT and np.prod(t.dims) >= 64 * 64)
+    assert checkpoint * 0.99 <= large <= checkpoint

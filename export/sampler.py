@@ -71,20 +71,19 @@ class SamplingHead(nn.Module):
         plain = ban_rows.shape[0] + sample_rows.shape[0] + mask_rows.shape[0] + adjust_rows.shape[0] == 0
         if not torch.compiler.is_exporting():
             return (self._argmax if plain else self._choose)(*operands)
-        return torch.cond(plain, self._argmax, self._dense_choose, operands)
+        return torch.cond(plain, self._argmax, self._choose, operands)
 
     def _argmax(self, logits: torch.Tensor, ban_rows: torch.Tensor, sample_rows: torch.Tensor,
-                *rest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                temperature: torch.Tensor, *rest: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """What `_choose` returns when every row is plain greedy: the argmax, and no sampled rows."""
-        if self.never_mask is not None:
-            logits = torch.where(self.never_mask[None, :], float("-inf"), logits)
         no_ids = sample_rows[:, None] * self.rank[:, : self.top_n]  # [0, n]: the branches' shapes agree
-        temperature = rest[0]
-        return logits.argmax(-1), temperature * 0, no_ids, no_ids.float()
+        return self._known(logits).argmax(-1), temperature * 0, no_ids, no_ids.float()
 
-    def _dense_choose(self, *operands: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """`_choose` with dense outputs, as `torch.cond` requires of both branches."""
-        return tuple(t.contiguous() for t in self._choose(*operands))
+    def _known(self, logits: torch.Tensor) -> torch.Tensor:
+        """-inf for the ids the tokenizer does not have."""
+        if self.never_mask is None:
+            return logits
+        return torch.where(self.never_mask[None, :], float("-inf"), logits)
 
     def _choose(
         self,
@@ -104,9 +103,7 @@ class SamplingHead(nn.Module):
         adjust_scale: torch.Tensor,  # [E] float32 > 0, then divides positive / multiplies negative logits
         adjust_shift: torch.Tensor,  # [E] float32, then subtracted
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self.never_mask is not None:
-            logits = torch.where(self.never_mask[None, :], float("-inf"), logits)
-        logits = _adjust(logits, adjust_rows, adjust_tokens, adjust_bias, adjust_scale, adjust_shift)
+        logits = _adjust(self._known(logits), adjust_rows, adjust_tokens, adjust_bias, adjust_scale, adjust_shift)
         logits = self._constrain(logits, mask_rows, token_mask)
         banned = torch.zeros_like(logits[:, 0], dtype=torch.bool).index_put(
             (ban_rows,), torch.ones_like(ban_rows, dtype=torch.bool))
@@ -134,7 +131,8 @@ class SamplingHead(nn.Module):
         tokens = greedy.index_put((sample_rows,), sampled)
         token_logprobs = rows.gather(1, sampled[:, None])[:, 0] - log_norm
         top_logprobs = candidates[:, : self.top_n] - log_norm[:, None]
-        return tokens, token_logprobs, candidate_ids[:, : self.top_n], top_logprobs
+        # dense, as `torch.cond` requires of both branches' outputs
+        return tokens, token_logprobs, candidate_ids[:, : self.top_n].contiguous(), top_logprobs
 
     def _constrain(self, logits: torch.Tensor, mask_rows: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
         """-inf for every token a row's grammar does not allow now. The unpacked bits are padded

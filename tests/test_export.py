@@ -211,13 +211,21 @@ def test_a_plain_greedy_step_skips_the_sampling_head_and_picks_what_the_whole_he
     neutral = {"adjust_rows": np.array([1]), "adjust_tokens": np.array([7]), "adjust_bias": np.zeros(1, np.float32),
                "adjust_scale": np.ones(1, np.float32), "adjust_shift": np.zeros(1, np.float32)}
     banned = [Row(r.new_ids, r.past_slots, Sampling(ban_eos=i == 2)) for i, r in enumerate(plain)]
-    for feeds in (pack(plain, *caches), {**pack(plain, *caches), **neutral}, pack(banned, *caches)):
+    allow_all = {"mask_rows": np.array([3]), "token_mask": np.full((1, 4096 // 32), -1, np.int32)}
+    logprobs_only = {"sample_rows": np.array([0]), "temperature": np.zeros(1, np.float32),
+                     "top_k": np.zeros(1, np.int64), "top_p": np.ones(1, np.float32),
+                     "uniform": np.ones(1, np.float32), "min_p": np.zeros(1, np.float32)}
+    cases = [pack(plain, *caches), {**pack(plain, *caches), **neutral}, pack(banned, *caches),
+             {**pack(plain, *caches), **allow_all}, {**pack(plain, *caches), **logprobs_only}]
+    for i, feeds in enumerate(cases):
         ours = session.run(None, feeds)
         with torch.no_grad():
-            theirs = traced(*(torch.from_numpy(feeds[name]) for name in artifacts.INPUT_NAMES))
-        assert (ours[0] == theirs[0].numpy()).all()
-        assert ours[2].shape == (0, theirs[2].shape[1]) == tuple(theirs[2].shape)
-        assert np.abs(ours[4] - theirs[4].numpy()).max() < 1e-4
+            theirs = [t.numpy() for t in traced(*(torch.from_numpy(feeds[name]) for name in artifacts.INPUT_NAMES))]
+        assert (ours[0] == theirs[0]).all()
+        assert ours[2].shape == theirs[2].shape == (len(feeds["sample_rows"]), theirs[2].shape[1]), i
+        assert (ours[2] == theirs[2]).all() and np.allclose(ours[3], theirs[3], atol=1e-4)
+        assert np.abs(ours[4] - theirs[4]).max() < 1e-4
+    assert cases[0]["sample_rows"].size == 0 and ours[2].shape[0] == 1  # both sides of the branch were taken
 
 
 def test_the_exported_files_hold_each_weight_once(exported_tiny, tiny_checkpoint):
@@ -234,3 +242,30 @@ def test_the_exported_files_hold_each_weight_once(exported_tiny, tiny_checkpoint
     large = sum(int(np.prod(t.dims)) for t in initializers
                 if t.data_type == onnx.TensorProto.FLOAT and np.prod(t.dims) >= 64 * 64)
     assert checkpoint * 0.99 <= large <= checkpoint
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama with biases"])
+def test_fused_projections_keep_the_checkpoints_biases(family):
+    """q/k/v and gate/up fuse into one projection each; a bias on any part (Qwen2's q/k/v, Llama's
+    attention_bias / mlp_bias) must land on its own outputs and nowhere else."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from batchstring.export.exporter import _eager, report
+    from batchstring.export.verify import verify_logits
+
+    torch.manual_seed(3)
+    shape = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256, eos_token_id=0, bos_token_id=0)
+    if family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**shape, attn_implementation="eager"))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**shape, attention_bias=True, mlp_bias=True, attn_implementation="eager"))
+    with torch.no_grad():  # biases start at zero: make each one matter
+        for name, parameter in model.named_parameters():
+            if name.endswith(".bias"):
+                parameter.normal_(0, 0.5)
+    model.eval()
+    biases = {name.split(".")[-2] for name, _ in model.named_parameters() if name.endswith(".bias")}
+    assert {"q_proj", "k_proj", "v_proj"} <= biases
+    cases = verify_logits(model, {"step": _eager(DecoderStep(model, [0]).eval())}, [0])
+    assert max(report(_NullConsole(), cases, {"def ": {"step": True}}).values()) < 1e-4

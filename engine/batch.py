@@ -19,7 +19,7 @@ from batchstring.engine.grammar import fill_masks
 from batchstring.engine.sampling import SamplingParams
 from batchstring.engine.sequence import Sequence
 
-SMALL_STEP_TOKENS = 16  # a step of at most this many tokens: one attention group (and, on the CPU, one thread)
+SMALL_STEP_TOKENS = 16  # a step of at most this many tokens: one attention group (and, on the CPU, its own session)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ class EngineConfig:
     fault_marker: str = ""  # test-only fault injection (engine/faults.py); empty = off
     stall_seconds: float = 60.0  # a step running longer than this (work pending) means the engine is broken
     threads: int = 0  # intra-op threads for the runtime; 0 = the runtime's default
+    small_step_threads: int = 2  # threads 0, ONNX Runtime on the CPU: spinning threads of the small-step session
     speculative_tokens: int = 4  # n-gram draft tokens per decoding row and step; 0 = no speculation
     speculative_step_tokens: int = 16  # drafts only while the step, drafts included, has at most this many tokens
 
@@ -40,7 +41,7 @@ class EngineConfig:
         if self.scheduling not in SCHEDULING:
             raise ValueError(f"parameter scheduling must be one of {SCHEDULING}; got {self.scheduling!r}")
         positive = ("max_num_seqs", "max_waiting_seqs", "block_size", "max_num_batched_tokens",
-                    "max_input_bytes", "default_max_tokens")
+                    "max_input_bytes", "default_max_tokens", "small_step_threads")
         if self.kv_cache_tokens < 0 or not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError("parameter kv_cache_tokens must be a positive number of tokens or auto, and "
                              f"kv_cache_memory_fraction in (0, 1]; got {self.kv_cache_tokens}, "

@@ -49,7 +49,8 @@ class EngineCore:
         self.scheduler = Scheduler(config, blocks, policy_for(config.scheduling), self.spec.eos_token_ids,
                                    self.speculator if self.speculator.enabled else None)
         runner = runner or build_runner(config.runtime, model_dir, self.spec, num_blocks * config.block_size,
-                                        config.device, config.threads, self.cache.arena_bytes)
+                                        config.device, config.threads, self.cache.arena_bytes,
+                                        config.small_step_threads)
         self.runner = with_faults(runner, config.fault_marker)
         self.isolation = IsolatedStep(self.runner, self.scheduler, self.stats, self.spec.eos_token_ids)
         self.grammars = GrammarCompiler(model_dir / "tokenizer.json", self.spec.vocab_size, self.spec.eos_token_ids)

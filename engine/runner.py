@@ -11,6 +11,7 @@ the runtime (on a GPU, on the device).
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,18 +93,19 @@ class PagedCacheRunner:
         self.values[:, :, slots] = new_values
 
 
-def _ort_session(model_dir: Path, device: str, threads: int, arena_bytes: int = 0, graph: str = "model.onnx"):
-    """Intra-op threads never spin: ONNX Runtime's default keeps its workers busy-waiting between
-    operators, which only pays on cores nobody else wants. The serving path shares them
-    (tritonserver, the front door, the responder), and a spinning worker that holds a core makes the
-    others — and the runtime's own next parallel operator — wait for the scheduler: measured side
-    by side on 2 busy cores, a batch-64 decode step took 96-103 ms spinning and 14-62 ms not
-    (batch 1: 1.9-6.1 ms vs 1.5-1.9 ms; BENCHMARKS.md)."""
+def _ort_session(model_dir: Path, device: str, threads: int, arena_bytes: int = 0, graph: str = "model.onnx",
+                 spin: bool = False):
+    """Intra-op threads spin between operators only where `spin` says so (the small-step session,
+    see OnnxRunner). ONNX Runtime's default keeps every session's workers busy-waiting, which only
+    pays on cores nobody else wants: a large step's parallel operators are long enough for a
+    sleeping worker's wake-up not to matter, while a spinning one holds a core that tritonserver,
+    the front door and the responder want (measured side by side on 2 busy cores, a batch-64
+    decode step took 96-103 ms spinning and 14-62 ms not; BENCHMARKS.md)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
     if threads > 0:
         options.intra_op_num_threads = threads
     providers = ort_providers(device, ort.get_available_providers(), arena_bytes)
@@ -187,26 +189,54 @@ def _numpy_dtype(spec: RuntimeSpec):
     return np.dtype(spec.dtype)
 
 
+def available_cores(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """The cores this process may keep busy: its CPU affinity, capped by the cgroup's CPU quota (a
+    container's `--cpus`, a pod's CPU limit), which the affinity does not show. Rounded down: a
+    spinning thread past the quota gets the whole container throttled."""
+    cores = len(os.sched_getaffinity(0))
+    quota = _cgroup_cpu_quota(cgroup)
+    return cores if quota is None else max(1, min(cores, int(quota)))
+
+
+def _cgroup_cpu_quota(root: Path) -> float | None:
+    """CPUs' worth of time per period from cgroup v2 (cpu.max) or v1 (cpu.cfs_quota_us); None: no limit."""
+    if (root / "cpu.max").exists():
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    v1 = root / "cpu"
+    if (v1 / "cpu.cfs_quota_us").exists():
+        quota = int((v1 / "cpu.cfs_quota_us").read_text())
+        return None if quota <= 0 else quota / int((v1 / "cpu.cfs_period_us").read_text())
+    return None
+
+
 class OnnxRunner(PagedCacheRunner):
     """ONNX Runtime on the CPU; the cache is host memory (numpy), handed over without a copy.
 
     With `threads` 0 (the default) a step of at most SMALL_STEP_TOKENS tokens (every row in the
-    prefill group: engine/batch.py) runs on a session of its own with one intra-op thread: splitting
-    a small step's operators across cores costs more in hand-offs than it saves (measured on 2
-    cores, one row: 1.30 vs 1.61 ms for one token, 1.53 vs 2.04 ms for a row of 1 + 4 draft tokens),
-    while 64 rows want every core (14.8 vs 19.3 ms). That session runs the small-step graph where
-    the export wrote one (export/layout.py SMALL_STEP_GRAPH: the prefill group only, a quarter fewer
-    operators; 1 + 4 tokens 1.14 vs 1.30 ms). Both sessions hold the weights, so host memory holds
-    them twice (engine/memory.py counts both); a fixed `threads` keeps one session.
+    prefill group: engine/batch.py) runs on a session of its own, on the small-step graph where the
+    export wrote one (export/layout.py SMALL_STEP_GRAPH: the prefill group only, a quarter fewer
+    operators; 1 + 4 tokens 1.14 vs 1.30 ms), with `small_step_threads` intra-op threads (at most
+    the cores this process may use: `available_cores`) that spin between operators. A small step is hundreds of
+    operators of microseconds each: a worker that sleeps between them is woken for every parallel
+    one (on a virtual machine, an interrupt to another core each time), which costs what the
+    second core saves (one row: 1.30 ms on one thread, 1.61 ms on two sleeping ones), while a
+    spinning one is there at once. Served on 2 cores, runs of both variants alternating: one caller
+    1.15-1.35x the tokens/s of one thread, 4 to 16 callers 1.02-1.43x (BENCHMARKS.md). With other
+    work on the cores it degrades to about one thread's median. 1 = one thread, nothing spins. Large
+    steps (64 rows want every core: 14.8 vs 19.3 ms) run on the other session, whose workers sleep.
+    Both sessions hold the weights, so host memory holds them twice (engine/memory.py counts both);
+    a fixed `threads` keeps one session.
     """
 
     def __init__(self, model_dir: Path, spec: RuntimeSpec, num_slots: int, device: str, threads: int,
-                 arena_bytes: int = 0) -> None:
+                 small_step_threads: int = 1) -> None:
         self.session = _ort_session(model_dir, device, threads)
         self.small_session = self.session
         if threads == 0:
             small = SMALL_STEP_GRAPH if (model_dir / SMALL_STEP_GRAPH).exists() else "model.onnx"
-            self.small_session = _ort_session(model_dir, device, 1, graph=small)
+            workers = min(small_step_threads, available_cores())
+            self.small_session = _ort_session(model_dir, device, workers, graph=small, spin=workers > 1)
         self.spec = spec
         # full(), not zeros(): touch every page now, so resident memory is flat from the start
         self.keys = np.full(spec.cache_shape(num_slots), 0.0, _numpy_dtype(spec))
@@ -279,8 +309,7 @@ class OnnxCudaRunner(PagedCacheRunner):
 class TorchScriptRunner(PagedCacheRunner):
     """The TorchScript step on the instance's device; the cache stays on that device."""
 
-    def __init__(self, model_dir: Path, spec: RuntimeSpec, num_slots: int, device: str, threads: int,
-                 arena_bytes: int = 0) -> None:
+    def __init__(self, model_dir: Path, spec: RuntimeSpec, num_slots: int, device: str, threads: int) -> None:
         import torch
 
         if threads > 0:
@@ -313,8 +342,12 @@ class TorchScriptRunner(PagedCacheRunner):
 
 
 def build_runner(runtime: str, model_dir: Path, spec: RuntimeSpec, num_slots: int, device: str,
-                 threads: int, arena_bytes: int = 0) -> PagedCacheRunner:
+                 threads: int, arena_bytes: int = 0, small_step_threads: int = 1) -> PagedCacheRunner:
     """`arena_bytes`: ONNX Runtime's CUDA arena limit (engine/memory.py's `CachePlan.arena_bytes`);
-    the other runtimes hold no arena of their own and ignore it."""
-    kind = TorchScriptRunner if runtime == "torchscript" else OnnxRunner if device == "cpu" else OnnxCudaRunner
-    return kind(model_dir, spec, num_slots, device, threads, arena_bytes)
+    `small_step_threads`: the CPU's small-step session (OnnxRunner). The other runtimes hold no
+    arena and no second session of their own and ignore them."""
+    if runtime == "torchscript":
+        return TorchScriptRunner(model_dir, spec, num_slots, device, threads)
+    if device != "cpu":
+        return OnnxCudaRunner(model_dir, spec, num_slots, device, threads, arena_bytes)
+    return OnnxRunner(model_dir, spec, num_slots, device, threads, small_step_threads)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import time
 import urllib.request
@@ -269,9 +270,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gguf", type=Path, help="the shipped model converted to GGUF (f32), for llama-server")
     p.add_argument("--llama-spec-args", default=LLAMA_SPEC_ARGS,
                    help=f"llama-server flags for its own n-gram speculation (default: {LLAMA_SPEC_ARGS!r})")
-    p.add_argument("--llama-threads", type=int, default=1,
-                   help="llama-server threads (default 1: on 2 shared cores its spinning barrier with 2 threads "
-                        "collapsed whenever anything else ran, 46-61 against 685-831 tok/s for one caller)")
+    p.add_argument("--llama-threads", type=int, default=len(os.sched_getaffinity(0)),
+                   help="llama-server threads (default: every core this process may use, as our small steps' "
+                        "spinning threads do; 1 keeps it off a core other work needs: on 2 shared cores its "
+                        "spinning barrier with 2 threads collapsed whenever anything else ran)")
     p.add_argument("--systems", nargs="*", choices=SYSTEMS, help="measure only these (default: all)")
     p.add_argument("--callers", nargs="+", type=int, default=list(CALLERS), help="closed-loop callers per level")
     p.add_argument("--prompts", type=int, default=256, help="prompts per system and level")

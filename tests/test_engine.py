@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 
@@ -237,6 +238,47 @@ def test_small_steps_run_with_every_row_in_one_group_on_the_small_step_graph(mod
     assert small and all(tokens <= SMALL_STEP_TOKENS and decode == 0 for tokens, decode in small)
     assert all(tokens > SMALL_STEP_TOKENS for tokens, _ in full)
     assert any(decode > 0 for _, decode in full), "a crowd of decode rows keeps its own group"
+
+
+def test_small_steps_run_on_spinning_threads_and_give_the_tokens_of_one_thread(model_dir, prompts, reference):
+    """The small-step session has `small_step_threads` threads (at most the cores this process may
+    use) that spin between operators; the large steps' session never spins; a single small-step
+    thread never spins either and gives the same tokens; zero threads is refused by name."""
+    from batchstring.engine.config import EngineConfig
+    from batchstring.engine.runner import available_cores
+
+    cores = available_cores()
+    spin = "session.intra_op.allow_spinning"
+    eng = engine(model_dir)
+    small, large = (s.get_session_options() for s in (eng.runner.small_session, eng.runner.session))
+    assert (small.intra_op_num_threads, small.get_session_config_entry(spin)) == (min(2, cores), str(int(cores > 1)))
+    assert large.get_session_config_entry(spin) == "0"
+    single = engine(model_dir, small_step_threads=1)
+    options = single.runner.small_session.get_session_options()
+    assert (options.intra_op_num_threads, options.get_session_config_entry(spin)) == (1, "0")
+    assert alone(single, prompts[:12]) == reference[:12]
+    with pytest.raises(ValueError, match="small_step_threads must be >= 1"):
+        EngineConfig.from_parameters({"small_step_threads": "0"}, model_dir=model_dir)
+
+
+@pytest.mark.parametrize(("files", "limit"), [
+    ({}, None),
+    ({"cpu.max": "max 100000\n"}, None),
+    ({"cpu.max": "150000 100000\n"}, 1),
+    ({"cpu.max": "50000 100000\n"}, 1),
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ({"cpu/cpu.cfs_quota_us": "200000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 2),
+])
+def test_available_cores_follow_the_cgroup_quota_as_well_as_the_affinity(tmp_path, files, limit):
+    """A container's CPU quota (cgroup v2 or v1) caps the cores the small steps spin on, rounded
+    down and at least one; without a quota the affinity decides."""
+    from batchstring.engine.runner import available_cores
+
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    affinity = len(os.sched_getaffinity(0))
+    assert available_cores(tmp_path) == (affinity if limit is None else min(affinity, limit))
 
 
 @pytest.mark.parametrize(

@@ -207,6 +207,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         for callers in args.callers:
             runs: dict[str, list[Run]] = {name: [] for name in names}
+            for system in systems.values():  # a level's first batches (new shapes, arena growth) are nobody's result
+                system.measure(items[:callers], callers)
             for _ in range(args.repeats):  # systems take turns, repeat after repeat
                 for name, system in systems.items():
                     bar.set_postfix(callers=callers, system=name)

@@ -171,9 +171,12 @@ def export_and_verify(ctx: dict, model: str, dtype: str) -> list[str]:
     pinned = artifacts.device_constants(out / "model.pt")
     if pinned:
         raise CheckFailed(f"the traced step names a device: {pinned[:3]}")
+    host = artifacts.host_scalars(out / "model.pt")
+    if host:
+        raise CheckFailed(f"the traced step hands a host scalar to a device operator: {host[:3]}")
     size = (out / "model.pt").stat().st_size / 2**20
     lines = [f"traced on the CPU and saved in {time.monotonic() - began:.1f} s ({size:.0f} MiB); "
-             "no device constant in the saved code"]
+             "no device constant and no host scalar beyond arithmetic in the saved code"]
     ctx["exports"][(model, dtype)] = out
     device = scope.device
     truth = load_checkpoint(source, "float32").to(device)

@@ -115,6 +115,41 @@ def device_constants(model_pt: Path) -> list[str]:
                 for line in archive.read(name).decode().splitlines() if "torch.device(" in line]
 
 
+# Arithmetic lifts a CPU scalar tensor beside device tensors (so shape arithmetic may stay on the
+# host); comparisons too; every other operator wants all its tensors on one device.
+_ARITHMETIC = frozenset({"aten::mul", "aten::add", "aten::sub", "aten::div", "aten::floor_divide",
+                         "aten::remainder", "aten::neg"})
+_TAKES_HOST_SCALARS = _ARITHMETIC | {"aten::Int", "aten::Float", "aten::ScalarImplicit", "aten::eq", "aten::ne",
+                                     "aten::lt", "aten::le", "aten::gt", "aten::ge"}
+
+
+def host_scalars(model_pt: Path) -> list[str]:
+    """Operators of the saved step that take a tensor the trace made from a shape, or a tensor
+    constant: either is a CPU tensor wherever the module runs. Arithmetic accepts a CPU scalar
+    beside device tensors; any other operator (clamp with a tensor bound, for one) fails on a GPU
+    with 'Expected all tensors to be on the same device', and neither the CPU nor the meta device
+    notices, so the saved graph is read for it."""
+    module = torch.jit.load(str(model_pt))
+    graph, _ = torch._C._jit_pass_lower_graph(module.inlined_graph, module._c)
+    host: set[int] = set()
+    found = []
+    for node in graph.nodes():
+        args = list(node.inputs())
+        fed = [i for i, value in enumerate(args) if value.unique() in host]
+        if _makes_host_tensor(node) or (fed and node.kind() in _ARITHMETIC and all(
+                value.unique() in host for value in args if isinstance(value.type(), torch._C.TensorType))):
+            host.update(value.unique() for value in node.outputs())
+        elif fed and node.kind() not in _TAKES_HOST_SCALARS:
+            found.append(f"{node.kind()} (argument {fed[0]}) of {node.sourceRange().split(chr(10))[0].strip()}")
+    return found
+
+
+def _makes_host_tensor(node) -> bool:
+    """A shape turned into a tensor, or a tensor constant of the saved code (both live on the CPU)."""
+    return node.kind() == "prim::NumToTensor" or (
+        node.kind() == "prim::Constant" and isinstance(node.output().type(), torch._C.TensorType))
+
+
 def run_on_meta(model_pt: Path, spec: dict) -> tuple[torch.Tensor, ...]:
     """Runs the saved step with every weight, input and both caches on the `meta` device (shapes
     only, no data, no GPU): any tensor the graph creates on a fixed device meets meta tensors and

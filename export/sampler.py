@@ -171,9 +171,7 @@ def _top_k_top_p(weights: torch.Tensor, full_mass: torch.Tensor, top_k: torch.Te
                  top_p: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
     """Which sorted candidates survive top_k, then top_p over the top_k-renormalised mass;
     `rank` is [1, candidates]: 0, 1, 2, ..."""
-    count = weights.shape[1]
-    k = torch.where(top_k > 0, torch.clamp(top_k, max=count), torch.full_like(top_k, count))
-    in_k = rank < k[:, None]
+    in_k = (top_k[:, None] <= 0) | (rank < top_k[:, None])  # a top_k past the candidates keeps them all
     kept = weights * in_k
     cumulative = torch.cumsum(kept, -1)
     mass = torch.where(top_k > 0, cumulative[:, -1], full_mass)
@@ -194,7 +192,7 @@ def _draw_two_level(full: torch.Tensor, block_mass: torch.Tensor, uniform: torch
     """Inverse CDF over [M, blocks, BLOCK] weights: pick the block, then the token inside it."""
     cumulative = torch.cumsum(block_mass, -1)
     target = uniform * cumulative[:, -1]
-    block = torch.clamp((cumulative < target[:, None]).sum(-1), max=full.shape[1] - 1)
+    block = (cumulative[:, :-1] < target[:, None]).sum(-1)  # rounding can leave the target past the last block
     before = (cumulative - block_mass).gather(1, block[:, None])[:, 0]
     inside = full.gather(1, block[:, None, None].expand(-1, 1, full.shape[2]))[:, 0]  # [M, BLOCK]
     inside_cumulative = torch.cumsum(inside, -1)

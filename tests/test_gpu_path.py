@@ -53,6 +53,34 @@ def test_the_exported_torchscript_step_runs_with_every_tensor_on_the_meta_device
     assert logits.shape == (3, spec["vocab_size"])
     assert new_keys.shape == new_values.shape == (spec["num_layers"], spec["num_kv_heads"], 6, spec["head_dim"])
     assert artifacts.device_constants(model_dir / "model.pt") == []
+    assert artifacts.host_scalars(model_dir / "model.pt") == []
+
+
+def test_a_shape_handed_to_a_device_operator_is_found_and_shape_arithmetic_is_not(tmp_path):
+    """A traced shape (or a tensor constant) is a CPU tensor wherever the step runs: arithmetic takes
+    it beside GPU tensors, clamp with a tensor bound or an index does not (the clamp failed so on an
+    H200), and neither the CPU nor the meta device objects, so the saved graph is read for it."""
+
+    class Clamped(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.clamp(x, max=x.shape[0] - 1)
+
+    class Indexed(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.index_select(x, 0, torch.tensor([1, 2]))
+
+    class Scaled(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * x.shape[0] - (x.shape[0] - 1)
+
+    found = {}
+    for module in (Clamped(), Indexed(), Scaled()):
+        path = tmp_path / f"{type(module).__name__}.pt"
+        torch.jit.trace(module, torch.arange(4.0)).save(str(path))
+        found[type(module).__name__] = artifacts.host_scalars(path)
+    assert len(found["Clamped"]) == 1 and found["Clamped"][0].startswith("aten::clamp (argument 2)")
+    assert found["Indexed"], "a constant index tensor stays on the CPU"
+    assert found["Scaled"] == []
 
 
 def test_the_meta_run_catches_a_tensor_made_on_a_fixed_device(tmp_path):
@@ -197,7 +225,8 @@ def test_the_image_exports_float16_with_the_torch_it_serves_with_and_checks_the_
     torches = set(re.findall(r"torch==([\d.]+)", DOCKERFILE))
     assert len(torches) == 1, f"export and serving stages install different torch versions: {torches}"
     server = DOCKERFILE[DOCKERFILE.index("AS server"):]
-    assert "run_on_meta(" in server and "device_constants(" in server, "the serving stage loads what export wrote"
+    assert all(f"{check}(" in server for check in ("run_on_meta", "device_constants", "host_scalars")), \
+        "the serving stage loads what export wrote"
 
 
 def test_the_images_onnx_runtime_binds_bfloat16_and_the_cache_stays_under_its_gather_limit():

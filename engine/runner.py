@@ -217,10 +217,10 @@ class OnnxRunner(PagedCacheRunner):
     prefill group: engine/batch.py) runs on a session of its own, on the small-step graph where the
     export wrote one (export/layout.py SMALL_STEP_GRAPH: the prefill group only, a quarter fewer
     operators; 1 + 4 tokens 1.14 vs 1.30 ms), with `small_step_threads` intra-op threads (at most
-    the cores this process may use: `available_cores`) that spin between operators. A small step is hundreds of
-    operators of microseconds each: a worker that sleeps between them is woken for every parallel
-    one (on a virtual machine, an interrupt to another core each time), which costs what the
-    second core saves (one row: 1.30 ms on one thread, 1.61 ms on two sleeping ones), while a
+    `available_cores`) that spin between operators. A small step is hundreds of operators of
+    microseconds each: a worker that sleeps between them is woken for every parallel one (on a
+    virtual machine, an interrupt to another core each time), which costs what the second core
+    saves (one row: 1.30 ms on one thread, 1.61 ms on two sleeping ones), while a
     spinning one is there at once. Served on 2 cores, runs of both variants alternating: one caller
     1.15-1.35x the tokens/s of one thread, 4 to 16 callers 1.02-1.43x (BENCHMARKS.md). With other
     work on the cores it degrades to about one thread's median. 1 = one thread, nothing spins. Large

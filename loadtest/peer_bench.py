@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import subprocess
 import time
 import urllib.request
@@ -34,6 +33,7 @@ from rich.console import Console
 from tqdm import tqdm
 
 from batchstring.client import AsyncBatchClient
+from batchstring.engine.runner import available_cores
 from batchstring.engine.tokenizer import TextCodec
 from batchstring.export.layout import MODEL_VERSION_DIR
 from batchstring.loadtest.bench import Point, Sample, closed_loop, machine, summarize
@@ -272,7 +272,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gguf", type=Path, help="the shipped model converted to GGUF (f32), for llama-server")
     p.add_argument("--llama-spec-args", default=LLAMA_SPEC_ARGS,
                    help=f"llama-server flags for its own n-gram speculation (default: {LLAMA_SPEC_ARGS!r})")
-    p.add_argument("--llama-threads", type=int, default=len(os.sched_getaffinity(0)),
+    p.add_argument("--llama-threads", type=int, default=available_cores(),
                    help="llama-server threads (default: every core this process may use, as our small steps' "
                         "spinning threads do; 1 keeps it off a core other work needs: on 2 shared cores its "
                         "spinning barrier with 2 threads collapsed whenever anything else ran)")

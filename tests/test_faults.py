@@ -194,18 +194,36 @@ def test_full_queue_is_refused_fast_and_retried_with_backoff(tiny_queue_server):
     assert tiny_queue_server.model_ready()
 
 
-def test_cancelled_stream_frees_its_slot(server):
-    with BatchClient(server.grpc_url) as c:
+def test_a_stream_cancelled_among_busy_streams_stops_and_frees_its_slot(server):
+    """Cancellation must be noticed while other streams keep the model busy sending their pieces
+    (a responder that asked only when it had nothing to send never asked under load): one stream
+    cancelled after two pieces stops early and is counted, and its batch-mates run to their last token."""
+    mates, tokens = 16, 400
+    started = threading.Semaphore(0)
+
+    def mate(c: BatchClient, i: int) -> str:
+        pieces = c.stream(f"def busy_{i}(items):", max_tokens=tokens, ignore_eos=True)
+        first = next(pieces)
+        started.release()
+        return first + "".join(pieces)
+
+    with BatchClient(server.grpc_url) as c, ThreadPoolExecutor(mates) as pool:
         before = metrics(server.metrics_url)
-        pieces = c.stream("def long_running():", max_tokens=400, ignore_eos=True)
+        busy = [pool.submit(mate, c, i) for i in range(mates)]
+        for _ in range(mates):
+            assert started.acquire(timeout=60), "a batch-mate never started streaming"
+        pieces = c.stream("def long_running():", max_tokens=tokens, ignore_eos=True)
         assert next(pieces) and next(pieces)
         pieces.close()  # the client cancels mid-stream
         cancelled = before.get("batchstring_cancelled_total", 0) + 1
         assert metric_reaches(server.metrics_url, "batchstring_cancelled_total", cancelled) == cancelled
-        time.sleep(0.6)
-        after = metrics(server.metrics_url)
-        assert after["batchstring_running_sequences"] == 0 and after["batchstring_kv_cache_utilization"] == 0
-        assert after["batchstring_generated_tokens_total"] - before["batchstring_generated_tokens_total"] < 400
+        assert all(future.result(timeout=120) for future in busy)
+    time.sleep(0.6)
+    after = metrics(server.metrics_url)
+    assert after["batchstring_running_sequences"] == 0 and after["batchstring_kv_cache_utilization"] == 0
+    generated = after["batchstring_generated_tokens_total"] - before["batchstring_generated_tokens_total"]
+    assert generated - mates * tokens < tokens, "the cancelled stream ran to its last token"
+    assert after["batchstring_cancelled_total"] == cancelled, "a batch-mate was cancelled too"
 
 
 def test_tls_serves_grpc_with_a_self_signed_certificate(tmp_path, model_dir):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import queue
 import threading
 import time
@@ -52,6 +53,7 @@ class Responder:
         self.abandon = abandon  # engine.abandon(seq, why), thread-safe
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._live: set[Ticket] = set()  # requests that may still be cancelled
+        self._next_poll = math.inf  # when the first live request is due to be asked (may be early, never late)
         self._thread = threading.Thread(target=self._run, name="batchstring-responder", daemon=True)
 
     def start(self) -> None:
@@ -74,20 +76,20 @@ class Responder:
         self._queue.put((ticket, None))
 
     def _run(self) -> None:
+        """One output at a time, and the cancellation questions whenever they are due: while many
+        streams keep the queue full, a thread that asked only once it was empty would never ask,
+        and a cancelled request would run to its last token."""
         while True:
             try:
                 item = self._queue.get(timeout=self._until_next_poll())
             except queue.Empty:
                 item = None
-            while item is not None:
-                if item is _STOP:
-                    return
+            if item is _STOP:
+                return
+            if item is not None:
                 self._handle(*item)
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    item = None
-            self._poll_cancellations()
+            if self._next_poll <= time.monotonic() + POLL_GRANULARITY_SECONDS:
+                self._poll_cancellations()
 
     def _handle(self, ticket: Ticket | None, out: RequestOutput | None) -> None:
         if ticket is None:  # fail_all
@@ -96,6 +98,7 @@ class Responder:
             return
         if out is None:
             self._live.add(ticket)
+            self._next_poll = min(self._next_poll, ticket.next_poll)
             return
         if ticket not in self._live:
             return  # already answered (or given up on): nothing more goes to this request
@@ -124,8 +127,7 @@ class Responder:
         it (and make it take the GIL from the engine's thread) 20 times a second for nothing."""
         if not self._live:
             return None
-        due = min(t.next_poll for t in self._live)
-        return max(due - time.monotonic(), POLL_GRANULARITY_SECONDS)
+        return max(self._next_poll - time.monotonic(), POLL_GRANULARITY_SECONDS)
 
     def _poll_cancellations(self) -> None:
         now = time.monotonic()
@@ -140,6 +142,7 @@ class Responder:
             else:
                 ticket.poll_interval = min(2 * ticket.poll_interval, CANCEL_POLL_SECONDS)
                 ticket.next_poll = now + ticket.poll_interval
+        self._next_poll = min((t.next_poll for t in self._live), default=math.inf)
 
     def _response(self, out: RequestOutput):
         pb = self.pb

@@ -15,11 +15,14 @@ from batchstring.engine.output import RequestOutput
 from batchstring.export.layout import MODEL_VERSION_DIR
 
 
-def load_responder():
+def _load_responder():
     spec = importlib.util.spec_from_file_location("responder", MODEL_VERSION_DIR / "responder.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+responder_module = _load_responder()
 
 
 PB = SimpleNamespace(
@@ -50,7 +53,6 @@ class Sender:
 def test_a_cancelled_request_is_noticed_while_the_queue_never_empties():
     """Outputs of a busy request arrive faster than they can be sent, so the queue is never empty;
     a request whose client cancelled must still be asked about, and stopped, on its schedule."""
-    responder_module = load_responder()
     abandoned: list[str] = []
     responder = responder_module.Responder(PB, lambda seq, why: abandoned.append(why))
     responder.start()
@@ -72,7 +74,6 @@ def test_a_cancelled_request_is_noticed_while_the_queue_never_empties():
 
 def test_a_finished_request_is_never_asked_about():
     """Each question costs an IPC round trip: only requests still running are asked."""
-    responder_module = load_responder()
     responder = responder_module.Responder(PB, lambda seq, why: None)
     responder.start()
     live, done = responder.ticket(Sender()), responder.ticket(Sender())

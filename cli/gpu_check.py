@@ -281,8 +281,9 @@ def engine_check(ctx: dict, model: str, dtype: str) -> list[str]:
     if plan.tokens > seqs * spec.context_length:
         raise CheckFailed(f"auto sized the cache past what {seqs} sequences can use: {plan.reason}")
     lines = [f"kv_cache_tokens auto on {scope.device}: {plan.reason}"]
-    slots = -(-plan.tokens // config.block_size) * config.block_size
-    runner = TimedRunner(build_runner("torchscript", model_dir, spec, slots, scope.device, 0, plan.arena_bytes),
+    blocks = -(-plan.tokens // config.block_size)
+    runner = TimedRunner(build_runner("torchscript", model_dir, spec, blocks, config.block_size, scope.device, 0,
+                                      plan.arena_bytes),
                          scope.device.startswith("cuda"))
     core = EngineCore(dataclasses.replace(config, kv_cache_tokens=plan.tokens), runner)
     core.warm_up()

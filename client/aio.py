@@ -276,8 +276,9 @@ class AsyncBatchClient:
                                 timeout_us=max(1, int(remaining * 1e6)), priority=priority, cache_salt=cache_salt)
         size = request.ByteSize()
         if size > self.max_message_bytes:
-            raise TooLarge(f"the request is {size} bytes; the server accepts at most {self.max_message_bytes} bytes "
-                           f"per request (text_input is at most {MAX_INPUT_BYTES} bytes)")
+            raise TooLarge(f"the request is {size} bytes; this client sends at most {self.max_message_bytes} bytes per "
+                           f"request (max_message_bytes; the shipped model takes text_input up to {MAX_INPUT_BYTES} "
+                           "bytes, a long-context model's front door more: raise max_message_bytes to match it)")
         return request
 
     def _next_delay(self, conn: Connection, exc: BatchstringError, attempt: int, deadline: float) -> float:

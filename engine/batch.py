@@ -1,11 +1,14 @@
 """Builds the exported step's inputs for one iteration, as array operations over its rows.
 
-Rows that decode one token go to the step's decode group and are built together from the block
-manager's table (past slots, masks, the new token's slot) without a per-row loop; rows that
-prefill several tokens (few per step) go to the prefill group. A step of at most
-SMALL_STEP_TOKENS tokens puts every row in the prefill group: padded together they waste almost
-nothing, and the CPU runs such a step on a graph with that group only (export/step.py). The
-layout is export/step.py's.
+Rows that decode one token go to the step's decode group and are built together without a
+per-row loop; rows that prefill several tokens (few per step) go to the prefill group. A step of
+at most SMALL_STEP_TOKENS tokens puts every row in the prefill group: padded together they waste
+almost nothing, and the CPU runs such a step on a graph with that group only (export/step.py).
+The layout is export/step.py's.
+
+What a row costs here does not grow with its context: its table row, its past length and the
+cache slots of its new tokens. The step reads the rest from the block table itself, which the
+runner holds (engine/block_table.py), and each group's pairs are a shape, not an array.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchstring.engine.block_manager import BlockManager
+from batchstring.engine.block_table import BlockTable, one_span_per_row, pair_carrier, span_blocks
 from batchstring.engine.grammar import fill_masks
 from batchstring.engine.sampling import SamplingParams
 from batchstring.engine.sequence import Sequence
@@ -65,39 +69,46 @@ class _Group:
 
     ids: np.ndarray
     positions: np.ndarray
-    tokens: np.ndarray
-    slots: np.ndarray
-    mask: np.ndarray
+    tokens: np.ndarray  # [B, S] packed index of each new token, left-padded
+    mask: np.ndarray  # [B, S] real tokens
+    rows: np.ndarray  # [B] rows of the block table
+    context: np.ndarray  # [B] past tokens
     writes: np.ndarray
     order: np.ndarray
     last: np.ndarray
 
+    def feeds(self, name: str, block_size: int, query_group: int, span: int | None = None) -> dict[str, np.ndarray]:
+        """`span`: blocks per pair (None: the cost model's choice, engine/block_table.py)."""
+        span = span or span_blocks(self.context, self.tokens.shape[1], block_size, query_group)
+        return {f"{name}_tokens": self.tokens, f"{name}_rows": self.rows, f"{name}_context": self.context,
+                f"{name}_pairs": pair_carrier(self.context, span, block_size)}
+
 
 @dataclass
 class StepBatch:
-    feeds: dict[str, np.ndarray]  # the step's inputs, caches excepted
+    feeds: dict[str, np.ndarray]  # the step's inputs, block table and caches excepted
+    table: BlockTable  # the block table the step reads (the runner passes or mirrors it)
     write_slots: np.ndarray  # [T] cache slot of each new token, in packed order
     work: list[Work]  # every sequence in the step, in packed order (decode group first, if any)
     sampled: list[Sequence]  # the R sequences whose next token comes back, in output order
     sampling: SamplingInputs
 
 
-def build_step(work: list[Work], blocks: BlockManager, rng: np.random.Generator | None = None) -> StepBatch:
+def build_step(work: list[Work], blocks: BlockManager, rng: np.random.Generator | None = None,
+               query_group: int = 1) -> StepBatch:
+    """`query_group`: query heads per kv head, for the choice of span (engine/block_table.py)."""
     single_group = sum(w.new for w in work) <= SMALL_STEP_TOKENS
     decode = [w for w in work if w.new == 1]
     prefill = [w for w in work if w.new > 1]
     if single_group and prefill:  # rows of one token join the others in the prefill group
         decode, prefill = [], work
     d = _decode_group(decode, blocks)
-    ids, positions, writes, order, logit_tokens = d.ids, d.positions, d.writes, d.order, d.last
-    p_tokens, p_slots, p_mask = _EMPTY_PREFILL
-    if prefill:
-        p = _prefill_group(prefill, blocks, len(decode))
-        p_tokens, p_slots, p_mask = p.tokens, p.slots, p.mask
-        ids, positions, writes = np.concatenate([ids, p.ids]), np.concatenate([positions, p.positions]), \
-            np.concatenate([writes, p.writes])
-        order, logit_tokens = np.concatenate([order, p.order]), np.concatenate([logit_tokens, p.last])
+    p = _prefill_group(prefill, blocks, len(decode)) if prefill else None
+    if single_group and not prefill:  # the decode group, built without a per-row loop, is a prefill group of width 1
+        d, p = _EMPTY, d
+    p = p or _EMPTY
     ordered = decode + prefill if prefill else decode
+    logit_tokens = np.concatenate([d.last, p.last])
     if all(w.samples and not w.draft for w in ordered):
         sampled = [w.seq for w in ordered]
     else:  # a draft row is sampled at each of its positions
@@ -106,67 +117,58 @@ def build_step(work: list[Work], blocks: BlockManager, rng: np.random.Generator 
         logit_tokens = logit_tokens[keep]
         sampled = [w.seq for w, n in zip(ordered, outputs) if w.samples for _ in range(n)]
     sampling = sampling_inputs(sampled, rng or np.random.default_rng())
-    groups = (d.tokens, d.slots, d.mask), (p_tokens, p_slots, p_mask)
-    if single_group and not prefill:  # the decode group, built without a per-row loop, is a prefill group of width 1
-        groups = _EMPTY_DECODE, groups[0]
-    (d_tokens, d_slots, d_mask), (p_tokens, p_slots, p_mask) = groups
+    size = blocks.block_size
+    # A small step whose rows fit one span each without much waste runs, on the CPU, on the
+    # single-group graph, whose pairs are its rows (engine/runner.py OnnxRunner)
+    rows_span = one_span_per_row(p.context, size) if single_group else None
     feeds = {
-        "input_ids": ids, "position_ids": positions,
-        "decode_tokens": d_tokens, "decode_slots": d_slots, "decode_mask": d_mask,
-        "prefill_tokens": p_tokens, "prefill_slots": p_slots, "prefill_mask": p_mask,
-        "token_order": order, "logit_tokens": logit_tokens, **vars(sampling),
+        "input_ids": np.concatenate([d.ids, p.ids]), "position_ids": np.concatenate([d.positions, p.positions]),
+        **d.feeds("decode", size, query_group), **p.feeds("prefill", size, query_group, rows_span),
+        "prefill_mask": p.mask,
+        "token_order": np.concatenate([d.order, p.order]), "logit_tokens": logit_tokens, **vars(sampling),
     }
-    return StepBatch(feeds, writes, ordered, sampled, sampling)
+    return StepBatch(feeds, blocks.table, np.concatenate([d.writes, p.writes]), ordered, sampled, sampling)
 
 
-_EMPTY_PREFILL = (np.zeros((0, 0), np.int64), np.zeros((0, 0), np.int64), np.zeros((0, 0), bool))
-_EMPTY_DECODE = (np.zeros((0, 1), np.int64), np.zeros((0, 0), np.int64), np.zeros((0, 1), bool))
+_NOTHING = np.zeros(0, np.int64)
+_EMPTY = _Group(_NOTHING, _NOTHING, np.zeros((0, 1), np.int64), np.zeros((0, 1), bool), _NOTHING, _NOTHING,
+                _NOTHING, _NOTHING, _NOTHING)
 
 
 def _decode_group(decode: list[Work], blocks: BlockManager) -> _Group:
-    """One row per sequence: its token, position, past slots (from the block table) and mask."""
+    """One row per sequence: its token, position, table row and past length, and its new token's slot."""
     n, size = len(decode), blocks.block_size
     if not n:
-        empty = np.zeros(0, np.int64)
-        return _Group(empty, empty, *_EMPTY_DECODE, empty, empty, empty)
+        return _EMPTY
     info = np.array([(w.seq.row, w.seq.num_cached, w.seq.token_at(w.seq.num_cached)) for w in decode], np.int64)
     rows, past, ids = info[:, 0], info[:, 1], info[:, 2]
-    width = int(past.max())
-    table = blocks.table[rows]
-    slots = table[:, blocks.block_of[:width]] * size + blocks.offset_of[:width]
-    mask = np.empty((n, width + 1), bool)
-    np.less(blocks.positions[:width], past[:, None], out=mask[:, :width])
-    mask[:, width] = True
-    write = table[np.arange(n), blocks.block_of[past]] * size + blocks.offset_of[past]
+    write = blocks.table.array[rows, past // size] * size + past % size
     order = np.arange(n)
-    return _Group(ids, past, order[:, None], slots, mask, write, order, order)
+    return _Group(ids, past, order[:, None], np.ones((n, 1), bool), rows, past, write, order, order)
 
 
 def _prefill_group(prefill: list[Work], blocks: BlockManager, offset: int) -> _Group:
     """Rows of several new tokens (few per step): left-padded to the longest, in packed order."""
     n, size = len(prefill), blocks.block_size
     width = max(w.new for w in prefill)
-    past_width = max(w.seq.num_cached for w in prefill)
     tokens = np.zeros((n, width), np.int64)
-    slots = np.zeros((n, past_width), np.int64)
-    mask = np.zeros((n, past_width + width), bool)
+    mask = np.zeros((n, width), bool)
     ids, positions, writes, order, last = [], [], [], [], []
     start = offset
     for j, w in enumerate(prefill):
         past, new = w.seq.num_cached, w.new
-        end = past + new
-        seq_slots = blocks.table[w.seq.row, blocks.block_of[:end]] * size + blocks.offset_of[:end]
+        fresh = np.arange(past, past + new)
         tokens[j, width - new :] = np.arange(start, start + new)
-        slots[j, :past] = seq_slots[:past]
-        mask[j, :past] = True
-        mask[j, past_width + width - new :] = True
+        mask[j, width - new :] = True
         ids.append(w.seq.pending_ids(new - len(w.draft)) + list(w.draft))
-        positions.append(blocks.positions[past:end])
-        writes.append(seq_slots[past:])
+        positions.append(fresh)
+        writes.append(blocks.table.array[w.seq.row, fresh // size] * size + fresh % size)
         order.append(offset + j * width + np.arange(width - new, width))
         start += new
         last.extend(range(start - len(w.draft) - 1, start))
-    return _Group(np.concatenate(ids).astype(np.int64), np.concatenate(positions), tokens, slots, mask,
+    rows = np.fromiter((w.seq.row for w in prefill), np.int64, n)
+    context = np.fromiter((w.seq.num_cached for w in prefill), np.int64, n)
+    return _Group(np.concatenate(ids).astype(np.int64), np.concatenate(positions), tokens, mask, rows, context,
                   np.concatenate(writes), np.concatenate(order), np.asarray(last, np.int64))
 
 

@@ -27,8 +27,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
-import numpy as np
-
+from batchstring.engine.block_table import BlockTable
 from batchstring.engine.sequence import Sequence
 
 
@@ -46,12 +45,8 @@ class BlockManager:
         self._hash: list[bytes | None] = [None] * num_blocks
         self._tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self._by_hash: dict[bytes, int] = {}
-        self.table = np.zeros((max_rows, self.blocks_for(max_tokens_per_seq)), np.int64)
+        self.table = BlockTable(max_rows, self.blocks_for(max_tokens_per_seq))
         self._free_rows = list(range(max_rows - 1, -1, -1))
-        # position -> (block index in the sequence's table, offset in the block), computed once
-        self.positions = np.arange(max_tokens_per_seq + 1)
-        self.block_of = self.positions // block_size
-        self.offset_of = self.positions % block_size
         self.query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.hit_tokens = 0  # of which found cached
 
@@ -137,7 +132,7 @@ class BlockManager:
             seq.row = self._free_rows.pop()
         start = len(seq.blocks)
         seq.blocks.extend(blocks)
-        self.table[seq.row, start : len(seq.blocks)] = blocks
+        self.table.write(seq.row, start, blocks)
 
     def release(self, seq: Sequence) -> None:
         for block in reversed(seq.blocks):

@@ -6,7 +6,12 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 RUNTIMES = ("onnxruntime", "torchscript")
-AUTO = 0  # kv_cache_tokens: sized from the free memory (engine/memory.py)
+AUTO = 0  # kv_cache_tokens: sized from the free memory (engine/memory.py); max_input_bytes: from the context
+AUTO_PARAMETERS = ("kv_cache_tokens", "max_input_bytes")
+# max_input_bytes auto: this many bytes per token of the model's context (English averages ~4 bytes a
+# token, code ~3; only text of much longer tokens than any tokenizer makes reaches it), so the byte cap
+# refuses nothing the context would take and bounds what is tokenised before the context is checked.
+INPUT_BYTES_PER_TOKEN = 32
 SCHEDULING = ("continuous", "static")
 
 
@@ -25,7 +30,7 @@ class EngineConfig:
     long_prefill_token_threshold: int = 128  # a longer prompt gets at most this many tokens per step (0 = no cap)
     enable_chunked_prefill: bool = True  # prefill long prompts a chunk per step, beside the decoding sequences
     enable_prefix_caching: bool = True  # reuse the cached blocks of prompts that start the same way
-    max_input_bytes: int = 16384  # text_input larger than this is refused before tokenizing
+    max_input_bytes: int = AUTO  # text_input larger than this is refused before tokenizing; auto: 32 x context
     default_max_tokens: int = 16  # vLLM's default when sampling_parameters has no max_tokens
     oom_backoff_seconds: float = 30.0  # after a real OOM, admit at most half the failing batch this long
     fault_marker: str = ""  # test-only fault injection (engine/faults.py); empty = off
@@ -41,7 +46,10 @@ class EngineConfig:
         if self.scheduling not in SCHEDULING:
             raise ValueError(f"parameter scheduling must be one of {SCHEDULING}; got {self.scheduling!r}")
         positive = ("max_num_seqs", "max_waiting_seqs", "block_size", "max_num_batched_tokens",
-                    "max_input_bytes", "default_max_tokens", "small_step_threads")
+                    "default_max_tokens", "small_step_threads")
+        if self.max_input_bytes < 0:
+            raise ValueError(f"parameter max_input_bytes must be a positive number of bytes or auto; got "
+                             f"{self.max_input_bytes}")
         if self.kv_cache_tokens < 0 or not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError("parameter kv_cache_tokens must be a positive number of tokens or auto, and "
                              f"kv_cache_memory_fraction in (0, 1]; got {self.kv_cache_tokens}, "
@@ -61,6 +69,10 @@ class EngineConfig:
                 f"({self.max_num_seqs}) with chunked prefill: every running sequence decodes in every step"
             )
 
+    def input_bytes(self, context_length: int) -> int:
+        """The byte cap on text_input: as configured, or (auto) INPUT_BYTES_PER_TOKEN x the context."""
+        return self.max_input_bytes or INPUT_BYTES_PER_TOKEN * context_length
+
     @classmethod
     def from_parameters(cls, params: dict[str, str], **fixed) -> EngineConfig:
         """Typed view of string parameters; unknown names are an error, not silently ignored."""
@@ -71,7 +83,7 @@ class EngineConfig:
         converters = {"int": int, "float": float, "str": str, "Path": Path, "bool": _bool}
         values = {}
         for name, raw in params.items():
-            if name == "kv_cache_tokens" and raw.strip().lower() == "auto":
+            if name in AUTO_PARAMETERS and raw.strip().lower() == "auto":
                 values[name] = AUTO
                 continue
             try:

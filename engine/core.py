@@ -15,7 +15,7 @@ from pathlib import Path
 
 from batchstring.engine.batch import StepBatch
 from batchstring.engine.block_manager import BlockManager
-from batchstring.engine.config import EngineConfig
+from batchstring.engine.config import INPUT_BYTES_PER_TOKEN, EngineConfig
 from batchstring.engine.errors import EngineBroken, InvalidRequest
 from batchstring.engine.faults import with_faults
 from batchstring.engine.grammar import GrammarCompiler
@@ -41,6 +41,10 @@ class EngineCore:
         self.cache = plan_cache(config, self.spec, model_dir)
         num_blocks = -(-self.cache.tokens // config.block_size)
         self.max_len = min(self.spec.context_length, num_blocks * config.block_size)
+        self.max_input_bytes = config.input_bytes(self.spec.context_length)
+        self._input_bytes_rule = ("max_input_bytes" if config.max_input_bytes else
+                                  f"max_input_bytes auto: {INPUT_BYTES_PER_TOKEN} bytes per token of the model's "
+                                  f"{self.spec.context_length}-token context")
         blocks = BlockManager(num_blocks, config.block_size, config.max_num_seqs, self.max_len,
                               config.enable_prefix_caching)
         self.stats = EngineStats()
@@ -48,11 +52,12 @@ class EngineCore:
                                      self.spec.eos_token_ids, self.stats)
         self.scheduler = Scheduler(config, blocks, policy_for(config.scheduling), self.spec.eos_token_ids,
                                    self.speculator if self.speculator.enabled else None)
-        runner = runner or build_runner(config.runtime, model_dir, self.spec, num_blocks * config.block_size,
+        runner = runner or build_runner(config.runtime, model_dir, self.spec, num_blocks, config.block_size,
                                         config.device, config.threads, self.cache.arena_bytes,
                                         config.small_step_threads)
         self.runner = with_faults(runner, config.fault_marker)
-        self.isolation = IsolatedStep(self.runner, self.scheduler, self.stats, self.spec.eos_token_ids)
+        self.isolation = IsolatedStep(self.runner, self.scheduler, self.stats, self.spec.eos_token_ids,
+                                      max(1, self.spec.num_heads // self.spec.num_kv_heads))
         self.grammars = GrammarCompiler(model_dir / "tokenizer.json", self.spec.vocab_size, self.spec.eos_token_ids)
         self._ids = itertools.count()
 
@@ -63,8 +68,10 @@ class EngineCore:
                       deadline: float | None = None, cache_salt: bytes = b"", priority: int = 1) -> Sequence:
         """Tokenises and checks a request against the model's and the cache's limits (any thread)."""
         size = len(prompt.encode("utf-8", errors="surrogatepass"))
-        if size > self.config.max_input_bytes:
-            raise InvalidRequest(f"text_input is {size} bytes; at most {self.config.max_input_bytes} bytes are allowed")
+        if size > self.max_input_bytes:
+            raise InvalidRequest(f"text_input is {size} bytes; at most {self.max_input_bytes} bytes are allowed "
+                                 f"({self._input_bytes_rule}); the prompt and max_tokens together may hold at "
+                                 f"most {self.max_len} tokens")
         try:
             ids = self.codec.encode(prompt)
         except ValueError as exc:

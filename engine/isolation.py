@@ -33,12 +33,13 @@ class Ran:
 
 class IsolatedStep:
     def __init__(self, runner: PagedCacheRunner, scheduler: Scheduler, stats: EngineStats,
-                 eos_token_ids: tuple[int, ...]) -> None:
+                 eos_token_ids: tuple[int, ...], query_group: int = 1) -> None:
         self.runner = runner
         self.scheduler = scheduler
         self.stats = stats
         self.probe_token = eos_token_ids[0] if eos_token_ids else 0
         self.rng = np.random.default_rng()  # the random numbers of requests without a seed
+        self.query_group = query_group  # query heads per kv head, for the choice of span (build_step)
 
     def run(self, work: list[Work]) -> tuple[list[Ran], list[tuple[Sequence, BaseException]]]:
         ran, failed = self._bisect(work)
@@ -48,7 +49,7 @@ class IsolatedStep:
 
     def _bisect(self, work: list[Work]) -> tuple[list[Ran], list[tuple[Sequence, BaseException]]]:
         try:
-            batch = build_step(work, self.scheduler.blocks, self.rng)
+            batch = build_step(work, self.scheduler.blocks, self.rng, self.query_group)
             began = time.perf_counter()
             out = self.runner.step(batch)
             self.stats.runner_seconds += time.perf_counter() - began
@@ -71,7 +72,7 @@ class IsolatedStep:
             if not room:
                 return True  # no room to ask; not evidence of a broken device
             try:
-                self.runner.step(build_step([Work(probe, 1)], self.scheduler.blocks, self.rng))
+                self.runner.step(build_step([Work(probe, 1)], self.scheduler.blocks, self.rng, self.query_group))
             except Exception:
                 return False
             return True

@@ -61,10 +61,12 @@ def activation_bytes(spec, max_num_batched_tokens: int, max_num_seqs: int, max_p
     """Peak memory of one step beyond weights and cache, from the model's shape.
 
     Counted: one layer's tensors over the packed tokens (hidden states, q/k/v, the MLP's gate and
-    up projections), the new keys/values the step returns for every layer, the past keys/values one
-    layer gathers for a decode group of `max_num_seqs` rows padded to `max_past` positions, with its
-    float32 scores and probabilities, and the sampler's float32 vocabulary rows; times
-    ACTIVATION_MARGIN for the runtime's workspace.
+    up projections), the new keys/values the step returns for every layer, the blocks one layer
+    gathers for `max_num_seqs` decoding rows of up to `max_past` past tokens each (rows sharing a
+    prefix gather its blocks each) with their float32 scores and probabilities, the float32
+    scores and probabilities of `max_num_batched_tokens` prefill queries over a past of
+    `max_past` (a long prompt's last chunks: the room a long request needs), and the sampler's
+    float32 vocabulary rows; times ACTIVATION_MARGIN for the runtime's workspace.
     """
     size = spec.dtype_bytes
     tokens, rows = max_num_batched_tokens, max_num_seqs
@@ -73,8 +75,9 @@ def activation_bytes(spec, max_num_batched_tokens: int, max_num_seqs: int, max_p
     packed = tokens * per_token * size
     new_kv = 2 * spec.num_layers * kv_heads * tokens * dim * size
     gathered = rows * max_past * (2 * kv_heads * dim * size + 2 * q_heads * 4)
+    prefill_scores = tokens * max_past * 2 * q_heads * 4
     sampler = min(rows, tokens) * spec.vocab_size * 4 * 4
-    return int((packed + new_kv + gathered + sampler) * ACTIVATION_MARGIN)
+    return int((packed + new_kv + gathered + prefill_scores + sampler) * ACTIVATION_MARGIN)
 
 
 def index_ceiling(spec) -> int:

@@ -1,11 +1,13 @@
 """Runs the exported step on a batch, reading and writing the paged KV cache.
 
-The cache is preallocated once as [layers, kv_heads, slots, head_dim] per K and V, where a slot
-is one token position of one block. A step hands the graph the whole cache plus each row's past
-slots (the graph gathers what it attends to, layer by layer), then writes the new tokens'
-keys/values into the slots the block manager assigned. Nothing is allocated per sequence, and
-only token ids and log-probabilities come back to the host: vocabulary-sized tensors stay in
-the runtime (on a GPU, on the device).
+The cache is preallocated once as [layers, kv_heads, blocks, block_size, head_dim] per K and V.
+A step hands the graph the whole cache and the whole block table (the graph gathers the blocks it
+attends to, layer by layer), then writes the new tokens' keys/values into the slots (block x
+block_size + offset) the block manager assigned. On the CPU the table is the engine's own array,
+read in place; on a GPU it is a device copy that each step updates with the entries written since
+the last one (`DeviceTable`). Nothing is allocated per sequence, and only token ids and
+log-probabilities come back to the host: vocabulary-sized tensors stay in the runtime (on a GPU,
+on the device).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from batchstring.engine.batch import SMALL_STEP_TOKENS, StepBatch
+from batchstring.engine.block_table import BlockTable
 from batchstring.export.layout import SMALL_STEP_GRAPH
 
 FETCHED = ("next_tokens", "token_logprobs", "top_ids", "top_logprobs", "new_keys", "new_values")
@@ -63,8 +66,8 @@ class RuntimeSpec:
     def bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes  # K and V
 
-    def cache_shape(self, num_slots: int) -> tuple[int, int, int, int]:
-        return (self.num_layers, self.num_kv_heads, num_slots, self.head_dim)
+    def cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, self.num_kv_heads, num_blocks, block_size, self.head_dim)
 
 
 @dataclass(frozen=True)
@@ -81,16 +84,40 @@ class PagedCacheRunner:
     spec: RuntimeSpec
 
     def step(self, batch: StepBatch) -> StepOutput:
-        tokens, logprobs, top_ids, top_logprobs, new_keys, new_values = self._run(batch.feeds)
+        tokens, logprobs, top_ids, top_logprobs, new_keys, new_values = self._run(batch.feeds, batch.table)
         self._write(batch.write_slots, new_keys, new_values)
         return StepOutput(tokens, logprobs, top_ids, top_logprobs)
 
-    def _run(self, feeds: dict[str, np.ndarray]) -> tuple:
+    def _run(self, feeds: dict[str, np.ndarray], table: BlockTable) -> tuple:
         raise NotImplementedError
 
     def _write(self, slots: np.ndarray, new_keys, new_values) -> None:
-        self.keys[:, :, slots] = new_keys
-        self.values[:, :, slots] = new_values
+        """Cache slot s is token s % block_size of block s // block_size: a view of the cache
+        as [layers, kv_heads, blocks x block_size, head_dim] takes the writes."""
+        for cache, new in ((self.keys, new_keys), (self.values, new_values)):
+            cache.reshape(*cache.shape[:2], -1, cache.shape[-1])[:, :, slots] = new
+
+
+class DeviceTable:
+    """A device copy of the engine's block table: copied whole at the first step, then each step
+    writes only the entries the table's journal says changed (a handful of blocks appended), so
+    what crosses to the device per step does not grow with the contexts."""
+
+    def __init__(self, torch, device) -> None:
+        self.torch, self.device = torch, device
+        self.source: BlockTable | None = None
+        self.tensor = None
+
+    def sync(self, table: BlockTable):
+        torch = self.torch
+        if table is not self.source:
+            table.journal()  # before the copy: every later write reaches the device
+            table.drain()
+            self.source, self.tensor = table, torch.from_numpy(table.array).to(self.device)
+        index, blocks = table.drain()
+        if len(index):
+            self.tensor.view(-1)[torch.from_numpy(index).to(self.device)] = torch.from_numpy(blocks).to(self.device)
+        return self.tensor
 
 
 def _ort_session(model_dir: Path, device: str, threads: int, arena_bytes: int = 0, graph: str = "model.onnx",
@@ -229,8 +256,8 @@ class OnnxRunner(PagedCacheRunner):
     a fixed `threads` keeps one session.
     """
 
-    def __init__(self, model_dir: Path, spec: RuntimeSpec, num_slots: int, device: str, threads: int,
-                 small_step_threads: int = 1) -> None:
+    def __init__(self, model_dir: Path, spec: RuntimeSpec, num_blocks: int, block_size: int, device: str,
+                 threads: int, small_step_threads: int = 1) -> None:
         self.session = _ort_session(model_dir, device, threads)
         self.small_session = self.session
         if threads == 0:
@@ -239,14 +266,21 @@ class OnnxRunner(PagedCacheRunner):
             self.small_session = _ort_session(model_dir, device, workers, graph=small, spin=workers > 1)
         self.spec = spec
         # full(), not zeros(): touch every page now, so resident memory is flat from the start
-        self.keys = np.full(spec.cache_shape(num_slots), 0.0, _numpy_dtype(spec))
-        self.values = np.full(spec.cache_shape(num_slots), 0.0, _numpy_dtype(spec))
+        self.keys = np.full(spec.cache_shape(num_blocks, block_size), 0.0, _numpy_dtype(spec))
+        self.values = np.full(spec.cache_shape(num_blocks, block_size), 0.0, _numpy_dtype(spec))
 
-    def _run(self, feeds: dict[str, np.ndarray]) -> tuple:
-        # The caches are passed by reference: onnxruntime reads numpy memory in place.
-        small = len(feeds["input_ids"]) <= SMALL_STEP_TOKENS and not len(feeds["decode_tokens"])
-        session = self.small_session if small else self.session
-        return session.run(FETCHED, {**feeds, "key_cache": self.keys, "value_cache": self.values})
+    def _run(self, feeds: dict[str, np.ndarray], table: BlockTable) -> tuple:
+        # The caches and the block table are passed by reference: onnxruntime reads numpy memory in place.
+        session = self.small_session if one_span_per_row(feeds) else self.session
+        return session.run(FETCHED, {**feeds, "block_table": table.array, "key_cache": self.keys,
+                                     "value_cache": self.values})
+
+
+def one_span_per_row(feeds: dict[str, np.ndarray]) -> bool:
+    """Whether a step is one the single-group graph computes as the full one does: a small step,
+    every row in the prefill group, each with one pair (engine/batch.py decides)."""
+    return (len(feeds["input_ids"]) <= SMALL_STEP_TOKENS and not len(feeds["decode_tokens"])
+            and len(feeds["prefill_pairs"]) == len(feeds["prefill_rows"]))
 
 
 class OnnxCudaRunner(PagedCacheRunner):
@@ -259,8 +293,8 @@ class OnnxCudaRunner(PagedCacheRunner):
     its real element type (bfloat16 included; `ort_element_type`).
     """
 
-    def __init__(self, model_dir: Path, spec: RuntimeSpec, num_slots: int, device: str, threads: int,
-                 arena_bytes: int = 0) -> None:
+    def __init__(self, model_dir: Path, spec: RuntimeSpec, num_blocks: int, block_size: int, device: str,
+                 threads: int, arena_bytes: int = 0) -> None:
         import onnxruntime as ort
         import torch  # before the session: a CUDA build of torch loads the CUDA libraries the provider needs
 
@@ -270,15 +304,17 @@ class OnnxCudaRunner(PagedCacheRunner):
         self.device = torch.device(device)
         self.spec = spec
         self.dtype = getattr(torch, spec.dtype)
-        self.keys = torch.zeros(spec.cache_shape(num_slots), dtype=self.dtype, device=self.device)
+        self.keys = torch.zeros(spec.cache_shape(num_blocks, block_size), dtype=self.dtype, device=self.device)
         self.values = torch.zeros_like(self.keys)
+        self.table = DeviceTable(torch, self.device)
 
     def _bind(self, binding, name: str, tensor, output: bool = False) -> None:
         bind = binding.bind_output if output else binding.bind_input
-        element = self.elements[str(tensor.dtype).removeprefix("torch.")]
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        element = np.int64 if dtype == "int64" else self.elements[dtype]
         bind(name, "cuda", self.device.index or 0, element, list(tensor.shape), tensor.data_ptr())
 
-    def _run(self, feeds: dict[str, np.ndarray]) -> tuple:
+    def _run(self, feeds: dict[str, np.ndarray], table: BlockTable) -> tuple:
         torch = self.torch
         spec = self.spec
         tokens, rows = len(feeds["input_ids"]), len(feeds["logit_tokens"])
@@ -289,6 +325,7 @@ class OnnxCudaRunner(PagedCacheRunner):
         binding = self.session.io_binding()
         for name, array in feeds.items():
             binding.bind_cpu_input(name, array)
+        self._bind(binding, "block_table", self.table.sync(table))
         self._bind(binding, "key_cache", self.keys)
         self._bind(binding, "value_cache", self.values)
         for name in FETCHED[:4]:  # small: onnxruntime allocates them in host memory
@@ -301,15 +338,14 @@ class OnnxCudaRunner(PagedCacheRunner):
         return (*(value.numpy() for value in small), new_k, new_v)
 
     def _write(self, slots: np.ndarray, new_keys, new_values) -> None:
-        index = self.torch.from_numpy(slots).to(self.device)
-        self.keys[:, :, index] = new_keys
-        self.values[:, :, index] = new_values
+        super()._write(self.torch.from_numpy(slots).to(self.device), new_keys, new_values)
 
 
 class TorchScriptRunner(PagedCacheRunner):
     """The TorchScript step on the instance's device; the cache stays on that device."""
 
-    def __init__(self, model_dir: Path, spec: RuntimeSpec, num_slots: int, device: str, threads: int) -> None:
+    def __init__(self, model_dir: Path, spec: RuntimeSpec, num_blocks: int, block_size: int, device: str,
+                 threads: int) -> None:
         import torch
 
         if threads > 0:
@@ -324,30 +360,31 @@ class TorchScriptRunner(PagedCacheRunner):
             self.module = torch.jit.load(str(model_dir / "model.pt"), map_location=self.device).eval()
         self.spec = spec
         self.names = [n for n in spec.inputs if n not in ("key_cache", "value_cache")]
-        self.keys = torch.zeros(spec.cache_shape(num_slots), dtype=getattr(torch, spec.dtype), device=self.device)
+        self.keys = torch.zeros(spec.cache_shape(num_blocks, block_size), dtype=getattr(torch, spec.dtype),
+                                device=self.device)
         self.values = torch.zeros_like(self.keys)
+        self.table = DeviceTable(torch, self.device)
 
-    def _run(self, feeds: dict[str, np.ndarray]) -> tuple:
+    def _run(self, feeds: dict[str, np.ndarray], table: BlockTable) -> tuple:
         torch = self.torch
-        inputs = [torch.from_numpy(feeds[n]).to(self.device, non_blocking=True) for n in self.names]
+        feeds = {**feeds, "block_table": self.table.sync(table)}
+        inputs = [torch.as_tensor(feeds[n]).to(self.device, non_blocking=True) for n in self.names]
         with torch.inference_mode():
             tokens, logprobs, top_ids, top_logprobs, _, new_k, new_v = self.module(*inputs, self.keys, self.values)
         return (*(t.cpu().numpy() for t in (tokens, logprobs, top_ids, top_logprobs)), new_k, new_v)
 
     def _write(self, slots: np.ndarray, new_keys, new_values) -> None:
-        index = self.torch.from_numpy(slots).to(self.device)
         with self.torch.inference_mode():
-            self.keys[:, :, index] = new_keys
-            self.values[:, :, index] = new_values
+            super()._write(self.torch.from_numpy(slots).to(self.device), new_keys, new_values)
 
 
-def build_runner(runtime: str, model_dir: Path, spec: RuntimeSpec, num_slots: int, device: str,
+def build_runner(runtime: str, model_dir: Path, spec: RuntimeSpec, num_blocks: int, block_size: int, device: str,
                  threads: int, arena_bytes: int = 0, small_step_threads: int = 1) -> PagedCacheRunner:
     """`arena_bytes`: ONNX Runtime's CUDA arena limit (engine/memory.py's `CachePlan.arena_bytes`);
     `small_step_threads`: the CPU's small-step session (OnnxRunner). The other runtimes hold no
     arena and no second session of their own and ignore them."""
     if runtime == "torchscript":
-        return TorchScriptRunner(model_dir, spec, num_slots, device, threads)
+        return TorchScriptRunner(model_dir, spec, num_blocks, block_size, device, threads)
     if device != "cpu":
-        return OnnxCudaRunner(model_dir, spec, num_slots, device, threads, arena_bytes)
-    return OnnxRunner(model_dir, spec, num_slots, device, threads, small_step_threads)
+        return OnnxCudaRunner(model_dir, spec, num_blocks, block_size, device, threads, arena_bytes)
+    return OnnxRunner(model_dir, spec, num_blocks, block_size, device, threads, small_step_threads)

@@ -18,8 +18,9 @@ from batchstring.export.step import DecoderStep
 
 INPUT_NAMES = (
     "input_ids", "position_ids",
-    "decode_tokens", "decode_slots", "decode_mask",
-    "prefill_tokens", "prefill_slots", "prefill_mask", "token_order",
+    "decode_tokens", "decode_rows", "decode_context", "decode_pairs",
+    "prefill_tokens", "prefill_mask", "prefill_rows", "prefill_context", "prefill_pairs",
+    "token_order", "block_table",
     "logit_tokens", "ban_rows", "sample_rows", "temperature", "top_k", "top_p", "uniform",
     "min_p", "mask_rows", "token_mask",
     "adjust_rows", "adjust_tokens", "adjust_bias", "adjust_scale", "adjust_shift",
@@ -28,18 +29,32 @@ INPUT_NAMES = (
 OUTPUT_NAMES = ("next_tokens", "token_logprobs", "top_ids", "top_logprobs", "logits", "new_keys", "new_values")
 
 
-def example_inputs(step: DecoderStep, slots: int = 23) -> tuple[torch.Tensor, ...]:
-    """A step whose every dynamic axis has its own size > 1, so the exporter can neither specialise
-    nor merge them: 6 decode rows over 10 past tokens; 2 prefill rows of 9 and 4 new tokens (padded
-    to 9) over 12 past; 19 tokens in all; 8 rows want a next token, 5 sample, 3 have EOS banned,
-    4 follow a grammar, 7 logit adjustments."""
-    cache = torch.zeros(len(step.layers), step.num_kv_heads, slots, step.head_dim, dtype=step.dtype)
+# The example step's sizes: every dynamic axis has its own size > 1, so the exporter can neither
+# specialise nor merge them (tests/test_export.py checks that they stay distinct).
+EXAMPLE = {"tokens": 19, "decode_rows": 6, "decode_pairs": 11, "decode_span": 15, "block_size": 16,
+           "prefill_rows": 2, "prefill_new": 9, "prefill_pairs": 12, "prefill_span": 10, "table_rows": 13,
+           "table_width": 83, "cache_blocks": 41, "sampled_rows": 5, "rows": 8, "banned_rows": 3,
+           "masked_rows": 4, "adjustments": 7}
+EXAMPLE_DECODE_CONTEXT = (500, 240, 0, 400, 600, 239)  # spans of 15 x 16: 3 + 1 + 1 + 2 + 3 + 1 = 11 pairs
+EXAMPLE_PREFILL_CONTEXT = (1000, 700)  # spans of 10 x 16: 7 + 5 = 12 pairs
+
+
+def example_inputs(step: DecoderStep) -> tuple[torch.Tensor, ...]:
+    """A step of EXAMPLE's sizes: 6 decode rows; 2 prefill rows of 9 and 4 new tokens (padded to
+    9); 19 tokens in all; 8 rows want a next token, 5 sample, 3 have EOS banned, 4 follow a
+    grammar, 7 logit adjustments; a table of 13 rows over 41 cache blocks of 16 tokens."""
+    e = EXAMPLE
+    cache = torch.zeros(len(step.layers), step.num_kv_heads, e["cache_blocks"], e["block_size"], step.head_dim,
+                        dtype=step.dtype)
     prefill = torch.tensor([list(range(6, 15)), [0] * 5 + [15, 16, 17, 18]])
     order = torch.tensor([*range(15), 20, 21, 22, 23])
+    table = torch.arange(e["table_rows"] * e["table_width"]).reshape(e["table_rows"], -1) % e["cache_blocks"]
     return (
         torch.arange(19) % 7, torch.arange(19),
-        torch.arange(6)[:, None], torch.arange(60).reshape(6, 10) % slots, torch.ones(6, 11, dtype=torch.bool),
-        prefill, torch.arange(24).reshape(2, 12) % slots, torch.ones(2, 21, dtype=torch.bool), order,
+        torch.arange(6)[:, None], torch.tensor([3, 0, 7, 1, 12, 5]), torch.tensor(EXAMPLE_DECODE_CONTEXT),
+        torch.zeros(e["decode_pairs"], e["decode_span"], 0, dtype=torch.int64),
+        prefill, prefill > 0, torch.tensor([9, 2]), torch.tensor(EXAMPLE_PREFILL_CONTEXT),
+        torch.zeros(e["prefill_pairs"], e["prefill_span"], 0, dtype=torch.int64), order, table,
         torch.tensor([0, 1, 2, 3, 4, 5, 14, 18]), torch.tensor([1, 4, 7]), torch.tensor([0, 2, 3, 6, 7]),
         torch.tensor([0.5, 1.0, 0.0, 2.0, 0.7]), torch.tensor([0, 3, 0, 1, 0]), torch.tensor([1.0, 0.9, 1.0, 0.5, 1.0]),
         torch.tensor([0.3, 0.7, 1.0, 0.1, 0.5]), torch.tensor([0.0, 0.1, 0.0, 0.05, 0.0]),
@@ -51,23 +66,22 @@ def example_inputs(step: DecoderStep, slots: int = 23) -> tuple[torch.Tensor, ..
 
 
 def dynamic_shapes() -> dict[str, dict[int, Dim]]:
-    tokens, rows, sampled, slots = Dim("tokens"), Dim("rows"), Dim("sampled_rows"), Dim("cache_slots")
-    banned, masked, adjusted = Dim("banned_rows"), Dim("masked_rows"), Dim("adjustments")
-    decode, decode_past = Dim("decode_rows"), Dim("decode_past")
-    prefill, prefill_new, prefill_past = Dim("prefill_rows"), Dim("prefill_new"), Dim("prefill_past")
-    prefill_keys = Dim("prefill_keys")  # = prefill_past + prefill_new (Dim algebra cannot say so)
+    d = {name: Dim(name) for name in EXAMPLE}
+    cache = {2: d["cache_blocks"], 3: d["block_size"]}
     return {
-        "input_ids": {0: tokens}, "position_ids": {0: tokens},
-        "decode_tokens": {0: decode}, "decode_slots": {0: decode, 1: decode_past},
-        "decode_mask": {0: decode, 1: decode_past + 1},
-        "prefill_tokens": {0: prefill, 1: prefill_new}, "prefill_slots": {0: prefill, 1: prefill_past},
-        "prefill_mask": {0: prefill, 1: prefill_keys}, "token_order": {0: tokens},
-        "logit_tokens": {0: rows}, "ban_rows": {0: banned},
-        "sample_rows": {0: sampled}, "temperature": {0: sampled}, "top_k": {0: sampled}, "top_p": {0: sampled},
-        "uniform": {0: sampled}, "min_p": {0: sampled},
-        "mask_rows": {0: masked}, "token_mask": {0: masked, 1: Dim("mask_words")},
-        **{name: {0: adjusted} for name in INPUT_NAMES if name.startswith("adjust_")},
-        "key_cache": {2: slots}, "value_cache": {2: slots},
+        "input_ids": {0: d["tokens"]}, "position_ids": {0: d["tokens"]},
+        "decode_tokens": {0: d["decode_rows"]}, "decode_rows": {0: d["decode_rows"]},
+        "decode_context": {0: d["decode_rows"]}, "decode_pairs": {0: d["decode_pairs"], 1: d["decode_span"]},
+        "prefill_tokens": {0: d["prefill_rows"], 1: d["prefill_new"]},
+        "prefill_mask": {0: d["prefill_rows"], 1: d["prefill_new"]}, "prefill_rows": {0: d["prefill_rows"]},
+        "prefill_context": {0: d["prefill_rows"]}, "prefill_pairs": {0: d["prefill_pairs"], 1: d["prefill_span"]},
+        "token_order": {0: d["tokens"]}, "block_table": {0: d["table_rows"], 1: d["table_width"]},
+        "logit_tokens": {0: d["rows"]}, "ban_rows": {0: d["banned_rows"]},
+        **{name: {0: d["sampled_rows"]} for name in ("sample_rows", "temperature", "top_k", "top_p", "uniform",
+                                                     "min_p")},
+        "mask_rows": {0: d["masked_rows"]}, "token_mask": {0: d["masked_rows"], 1: Dim("mask_words")},
+        **{name: {0: d["adjustments"]} for name in INPUT_NAMES if name.startswith("adjust_")},
+        "key_cache": cache, "value_cache": cache,
     }
 
 
@@ -161,9 +175,9 @@ def run_on_meta(model_pt: Path, spec: dict) -> tuple[torch.Tensor, ...]:
     module = torch.jit.load(str(model_pt))
     graph, weights = torch._C._jit_pass_lower_graph(module.inlined_graph, module._c)
     function = torch._C._create_function_from_graph("step_on_meta", graph)
-    cache = np.zeros((spec["num_layers"], spec["num_kv_heads"], 40, spec["head_dim"]), np.float32)
-    rows = [Row([3], list(range(10))), Row([5], list(range(10, 17)), Sampling(temperature=0.8, top_p=0.9)),
-            Row([7, 8, 9, 10], list(range(20, 25)), Sampling(temperature=1.0, top_k=5, ban_eos=True))]
+    cache = np.zeros((spec["num_layers"], spec["num_kv_heads"], 12, 4, spec["head_dim"]), np.float32)
+    rows = [Row([3], [0, 1, 2], 10), Row([5], [3, 4], 7, Sampling(temperature=0.8, top_p=0.9)),
+            Row([7, 8, 9, 10], [5, 6], 5, Sampling(temperature=1.0, top_k=5, ban_eos=True))]
     feeds = pack(rows, cache, cache)
     dtype = getattr(torch, spec["dtype"])
     inputs = [torch.from_numpy(feeds[n]).to("meta", dtype if n in ("key_cache", "value_cache") else None)

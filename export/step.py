@@ -1,76 +1,82 @@
 """The decoder step we export: our own functional forward over a Hugging Face model's weights.
 
 One graph serves a whole engine iteration: rows that decode one token and rows that prefill
-(a whole prompt, or a chunk of one) run together. The engine keeps its own paged KV cache; it
-passes the whole cache (read-only) plus, per row, the cache slots of that row's past tokens, and
-feeds only the tokens that are new. The step returns the next token of every row that asks for
-one (sampled inside the graph, see export/sampler.py) and the keys/values of the new tokens,
+(a whole prompt, or a chunk of one) run together. The engine keeps its own paged KV cache and
+block table; it passes both whole (read-only) plus, per row, its table row and its past length,
+and feeds only the tokens that are new. The step returns the next token of every row that asks
+for one (sampled inside the graph, see export/sampler.py) and the keys/values of the new tokens,
 which the engine writes back.
 
-Signature (L layers, H kv heads, D head dim, V vocabulary; T, Bd, Pd, Bp, Sp, Pp, R, M, G, W, E, N
-dynamic):
+Signature (L layers, H kv heads, D head dim, V vocabulary; every other size dynamic):
 
     input_ids       int64 [T]            the new tokens of every row, packed
     position_ids    int64 [T]            absolute position of each
     decode_tokens   int64 [Bd, 1]        decode group: the packed index of each row's one token
-    decode_slots    int64 [Bd, Pd]       cache slot of each past position (padding: any slot)
-    decode_mask     bool  [Bd, Pd + 1]   True where a key is real (past, then the token itself)
+    decode_rows     int64 [Bd]           each row's row of block_table
+    decode_context  int64 [Bd]           each row's past tokens (in the cache)
+    decode_pairs    int64 [Pd, Cd, 0]    shape carrier: Pd (row, span of Cd blocks) pairs (engine/block_table.py)
     prefill_tokens  int64 [Bp, Sp]       prefill group: packed index of each new token, LEFT-padded
-    prefill_slots   int64 [Bp, Pp]
-    prefill_mask    bool  [Bp, Pp + Sp]
+    prefill_mask    bool  [Bp, Sp]       True where prefill_tokens is a real token
+    prefill_rows    int64 [Bp]
+    prefill_context int64 [Bp]
+    prefill_pairs   int64 [Pp, Cp, 0]
     token_order     int64 [T]            where token t sits in (decode rows, then prefill rows x Sp)
-    logit_tokens    int64 [R]            packed index of each token whose successor is wanted
-    ban_rows        int64 [K]            rows (of R) whose end-of-sequence ids are banned (min_tokens)
-    sample_rows     int64 [M]            rows (of R) that sample or want log-probabilities
+    block_table     int64 [R, W]         cache block of each row's i-th block of tokens (whole, read only)
+    logit_tokens    int64 [R']           packed index of each token whose successor is wanted
+    ban_rows        int64 [K]            rows (of R') whose end-of-sequence ids are banned (min_tokens)
+    sample_rows     int64 [M]            rows (of R') that sample or want log-probabilities
     temperature     f32   [M]            0 = greedy
     top_k           int64 [M]            0 = off
     top_p           f32   [M]
     uniform         f32   [M]            in (0, 1], from the request's own generator
     min_p           f32   [M]            0 = off
-    mask_rows       int64 [G]            rows (of R) constrained by a grammar
-    token_mask      int32 [G, W]         their packed bitmasks of allowed tokens (32 * W >= V)
+    mask_rows       int64 [G]            rows (of R') constrained by a grammar
+    token_mask      int32 [G, W']        their packed bitmasks of allowed tokens (32 * W' >= V)
     adjust_rows     int64 [E]            logit adjustments (logit_bias, penalties): row of each entry
     adjust_tokens   int64 [E]            token of each entry
     adjust_bias     f32   [E]            added
     adjust_scale    f32   [E]            repetition penalty (1 = none)
     adjust_shift    f32   [E]            subtracted (frequency * count + presence)
-    key_cache       [L, H, N, D]         the engine's paged cache, N slots (read only), model dtype
-    value_cache     [L, H, N, D]
+    key_cache       [L, H, N, S, D]      the engine's paged cache: N blocks of S tokens (read only), model dtype
+    value_cache     [L, H, N, S, D]
     ->
-    next_tokens     int64 [R]
+    next_tokens     int64 [R']
     token_logprobs  f32   [M]            log-probability of each sampled row's token under the model
     top_ids         int64 [M, n]         the n most likely tokens of each sampled row
     top_logprobs    f32   [M, n]
-    logits          f32   [R, V]         for verification; the engine never fetches them
+    logits          f32   [R', V]        for verification; the engine never fetches them
     new_keys        [L, H, T, D]         keys of the new tokens (after rotary), packed like input_ids
     new_values      [L, H, T, D]
 
 Why this shape:
 - Linear layers (projections, MLP, head) run on the packed tokens: no compute is spent on padding.
-- Attention runs per group. Decode rows (one query each) and prefill rows (many) would waste
-  Sp-fold work on each other if padded together, so each group is padded only within itself.
-- A small step (a few rows, drafts included) wastes almost nothing padded together, and on a CPU
-  its time goes to the number of operators, not to arithmetic: a second graph, exported with
-  `single_group`, has the prefill group only (every row in it; the decode inputs are accepted and
-  ignored) and about a quarter fewer operators. The engine puts every row of a step of at most
-  SMALL_STEP_TOKENS tokens in the prefill group (engine/batch.py), which both graphs compute
+- Attention costs what the contexts hold. Each group's past is read as pairs (a row, a span of
+  C of its blocks): the pairs' blocks are gathered per layer and kv head in one Gather (whole
+  blocks: [bs, D] rows, not token slots), every query of a row meets every span of that row in
+  one batched matrix multiply, and the row's softmax is put together from its pairs with a
+  scatter-max and scatter-sums (flash-decoding's split of the keys, in plain operators). Nothing
+  is padded to the longest row: a row of 15k tokens among rows of 100 makes its own ~15k/(C bs)
+  pairs, the others one or two each. The host picks C per step (engine/block_table.py).
+- The new tokens' own keys are attended apart (a small [S, S] causal block per row) and joined in
+  the same softmax: the cache is never copied to append them, and the engine writes them back
+  after the step.
+- Decode rows (one query each) and prefill rows (many) form two groups, so a decode row's span
+  does not pay for a prefill row's queries. A small step (a few rows, drafts included) wastes
+  almost nothing in one group, and on a CPU its time goes to the number of operators, not to
+  arithmetic: a second graph, exported with `single_group`, has the prefill group only (every row
+  in it; the decode inputs are accepted and ignored). The engine puts every row of a step of at
+  most SMALL_STEP_TOKENS tokens in the prefill group (engine/batch.py), which both graphs compute
   alike, and the CPU runner sends those steps to this graph (engine/runner.py).
-- On a CPU a decode step is bound by memory traffic over the past keys/values. Gathering them per
-  layer inside the graph (instead of copying every row's past into a padded batch first) touches
-  each byte once, while it is hot in cache, and the [H, B, 1, P, D] layout that Gather yields is
-  the one the attention matmuls consume, so past keys/values are never concatenated or transposed:
-  scores for past and new keys are computed apart and joined (they are D times smaller).
+- Whatever is the same in every layer is computed once per step: the pairs, their blocks, the
+  masks and the scatter indices; a layer adds its offset to the block indices.
 - Keys are cached after the rotary embedding, as HF's cache does.
 - q/k/v and gate/up are one projection each (`StepLayer`), and one rotation covers every head of
   the fused projection (the values' factors are cos 1, sin 0): five matrix multiplies per layer
   become two, and no outputs are concatenated.
-- On a small step the operators' count, not their arithmetic, sets the time: whatever is the same
-  in every layer is computed once per step (the gathers' row offsets, the attention scale, folded
-  into the queries' rotary factors), and index shapes carry the axes the matmuls broadcast over.
 - No tensor is created on a device named in the code: a trace records such a device as a
   constant, and `torch.jit.load(map_location=...)` moves only parameters and buffers. Fixed
   index tensors are buffers (they move with the weights); everything sized at run time is built
-  from an input (`ones_like(...).cumsum`, `zeros_like`), so one TorchScript file exported on the
+  from an input (`new_ones(...).cumsum`, `zeros_like`), so one TorchScript file exported on the
   CPU runs on any device, each Triton instance on its own GPU (tests/test_gpu_path.py proves it
   on the `meta` device).
 """
@@ -78,6 +84,7 @@ Why this shape:
 from __future__ import annotations
 
 import copy
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -139,7 +146,7 @@ class DecoderStep(nn.Module):
         self.head_dim = attn.head_dim
         rotary = inner.rotary_emb
         self.register_buffer("inv_freq", rotary.inv_freq.detach().clone().float(), persistent=False)
-        self.register_buffer("kv_head_index", torch.arange(self.num_kv_heads)[:, None, None, None], persistent=False)
+        self.register_buffer("kv_head_index", torch.arange(self.num_kv_heads)[:, None, None], persistent=False)
         # The rotary factors cover every head of the fused projection: the queries' carry the attention
         # scale (one multiply per step, not per layer), the values' are cos 1, sin 0 (left as they are).
         # In the model's dtype, as the weights: the export's dtype check reads every constant.
@@ -167,12 +174,16 @@ class DecoderStep(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         decode_tokens: torch.Tensor,
-        decode_slots: torch.Tensor,
-        decode_mask: torch.Tensor,
+        decode_rows: torch.Tensor,
+        decode_context: torch.Tensor,
+        decode_pairs: torch.Tensor,
         prefill_tokens: torch.Tensor,
-        prefill_slots: torch.Tensor,
         prefill_mask: torch.Tensor,
+        prefill_rows: torch.Tensor,
+        prefill_context: torch.Tensor,
+        prefill_pairs: torch.Tensor,
         token_order: torch.Tensor,
+        block_table: torch.Tensor,
         logit_tokens: torch.Tensor,
         ban_rows: torch.Tensor,
         sample_rows: torch.Tensor,
@@ -195,26 +206,29 @@ class DecoderStep(nn.Module):
         # MatMul with prepacked weights, measurably faster at small T than the Gemm a 2-D input gets.
         h = self.embed(input_ids[None])
         cos, sin = self._rotary(position_ids)
-        inputs = [(prefill_tokens, prefill_slots, prefill_mask)]
+        inputs = [(prefill_tokens, prefill_mask, prefill_rows, prefill_context, prefill_pairs)]
         if not self.single_group:
-            inputs.insert(0, (decode_tokens, decode_slots, decode_mask))
-        groups = [(tokens, slots, _attention_bias(mask, tokens.shape[1])) for tokens, slots, mask in inputs]
-        # One flat Gather per layer and group: indexing key_cache[i] first would copy the whole layer.
-        num_slots = key_cache.shape[2]
-        flat_keys = key_cache.reshape(-1, self.head_dim)
-        flat_values = value_cache.reshape(-1, self.head_dim)
-        layer_stride = self.num_kv_heads * num_slots
-        past_rows = [self.kv_head_index * num_slots + slots[None, :, None] for _, slots, _ in groups]  # [H, B, 1, P]
+            decode_mask = torch.ones_like(decode_tokens, dtype=torch.bool)
+            inputs.insert(0, (decode_tokens, decode_mask, decode_rows, decode_context, decode_pairs))
+        groups = [self._group(*group, block_table, key_cache.shape) for group in inputs]
+        spans = [group[4].shape[1] * key_cache.shape[3] for group in inputs]  # keys per pair
+        # One flat Gather of whole blocks per layer and group: indexing key_cache[i] first would copy the layer.
+        _, kv_heads, num_blocks, block_size, dim = key_cache.shape
+        flat_keys = key_cache.reshape(-1, block_size, dim)
+        flat_values = value_cache.reshape(-1, block_size, dim)
+        layer_stride = kv_heads * num_blocks
         new_kv = []
-        q_heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        q_heads = self.num_heads
         for i, layer in enumerate(self.layers):
             x = _rms_norm(layer.input_layernorm, h)
             qkv = _rotate(layer.qkv(x).view(-1, q_heads + 2 * kv_heads, dim), cos, sin)  # [T, Hq + 2H, D]
             outs = []
-            for (tokens, _, bias), rows in zip(groups, past_rows):
-                rows = rows + i * layer_stride if i else rows
-                q_g, k_g, v_g = _take(qkv, tokens).split((q_heads, kv_heads, kv_heads), dim=2)
-                outs.append(self._attention(q_g, k_g, v_g, bias, _take(flat_keys, rows), _take(flat_values, rows)))
+            for group, span in zip(groups, spans):
+                blocks = group.blocks + i * layer_stride if i else group.blocks
+                past = [torch.index_select(flat, 0, blocks).view(kv_heads, -1, span, dim)
+                        for flat in (flat_keys, flat_values)]  # [H, P, C * bs, D]
+                q_g, k_g, v_g = _take(qkv, group.tokens).split((q_heads, kv_heads, kv_heads), dim=2)
+                outs.append(self._attention(q_g, k_g, v_g, group, *past))
             h = h + layer.o_proj(torch.index_select(torch.cat(outs, 1), 1, token_order))
             h = h + layer.mlp(_rms_norm(layer.post_attention_layernorm, h))
             new_kv.append(qkv[:, q_heads:])  # [T, 2H, D]
@@ -237,24 +251,97 @@ class DecoderStep(nn.Module):
         return ((emb.cos() * self.rope_scale).to(self.dtype) * self.head_scale + self.value_heads,
                 (emb.sin() * self.rope_scale).to(self.dtype) * self.head_scale)
 
-    def _attention(self, q, k, v, bias, past_k, past_v):
-        """Grouped-query attention of one group; q [B, S, Hq, D] (already scaled), k/v [B, S, H, D],
-        past [H, B, 1, P, D] (the 1 broadcasts over a kv head's query group).
+    def _group(self, tokens: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor, context: torch.Tensor,
+               pairs: torch.Tensor, table: torch.Tensor, cache_shape) -> PagedGroup:
+        """What every layer of one group reuses: its pairs (engine/block_table.py) and their blocks
+        (layer 0's flat block indices, per kv head), the masks, and the scatter indices. The
+        single-group graph takes one pair per row (see `_attention_rows`)."""
+        _, kv_heads, num_blocks, block_size, _ = cache_shape
+        span_blocks = pairs.shape[1]
+        span = span_blocks * block_size
+        group_size = self.num_heads // kv_heads
+        first_columns = pairs.new_ones(span_blocks).cumsum(0) - 1  # [C]
+        first_keys = pairs.new_ones(span).cumsum(0) - 1  # [C * bs]
+        if self.single_group:  # pair b is row b's only span
+            blocks = _take(table.reshape(-1), rows[:, None] * table.shape[1] + first_columns)
+            past_bias = _bias(first_keys < context[:, None])[None, :, None, :]  # [1, B, 1, C * bs]
+            joint = torch.cat((past_bias.expand(-1, -1, tokens.shape[1] * group_size, -1),
+                               _attention_bias(mask, group_size)), dim=-1)  # [1, B, Q, C * bs + S]
+            return PagedGroup(tokens, None, self._kv_blocks(blocks, num_blocks), joint)
+        counts = ((context + (span - 1)) // span).clamp(min=1)  # pairs per row: at least one (masked if empty)
+        ends = counts.cumsum(0)
+        marks = pairs.new_zeros(pairs.shape[0] + 1).index_add(0, ends, torch.ones_like(ends))
+        pair_row = marks.cumsum(0)[:-1]  # [P]: how many rows' pairs all come before it = its row
+        span_index = torch.ones_like(pair_row).cumsum(0) - 1 - _take(ends - counts, pair_row)  # which span of its row
+        columns = span_index[:, None] * span_blocks + first_columns  # [P, C]
+        blocks = _take(table.reshape(-1), _take(rows, pair_row)[:, None] * table.shape[1] + columns)
+        key_pos = span_index[:, None] * span + first_keys  # [P, C * bs]
+        past_bias = _bias(key_pos < _take(context, pair_row)[:, None])[None, :, None, :]  # [1, P, 1, C * bs]
+        scatter = pair_row[None, :, None, None].expand(kv_heads, -1, tokens.shape[1] * group_size, 1)
+        return PagedGroup(tokens, pair_row, self._kv_blocks(blocks, num_blocks), past_bias,
+                          _attention_bias(mask, group_size), scatter, scatter.expand(-1, -1, -1, self.head_dim))
 
-        Returns [1, B * S, Hq * D], the rows in the group's (row, position) order.
-        """
+    def _kv_blocks(self, blocks: torch.Tensor, num_blocks) -> torch.Tensor:
+        """[H * P * C]: layer 0's flat block index of every pair's blocks, per kv head."""
+        return (self.kv_head_index * num_blocks + blocks[None]).reshape(-1)
+
+    def _attention(self, q, k, v, group: PagedGroup, past_k, past_v):
+        """Grouped-query attention of one group; q [B, S, Hq, D] (already scaled), k/v [B, S, H, D],
+        past [H, P, C * bs, D] (each pair's blocks). Returns [1, B * S, Hq * D] in the group's (row,
+        position) order."""
         b, s = q.shape[:2]
-        heads, group, dim = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
-        q = q.view(b, s, heads, group, dim).permute(2, 0, 3, 1, 4)  # [H, B, G, S, D]
-        k = k.view(b, s, heads, 1, dim).permute(2, 0, 3, 1, 4)  # [H, B, 1, S, D]
-        v = v.view(b, s, heads, 1, dim).permute(2, 0, 3, 1, 4)
-        scores = torch.cat((torch.matmul(q, past_k.transpose(-1, -2)), torch.matmul(q, k.transpose(-1, -2))),
-                           dim=-1)  # [H, B, G, S, P+S]
-        probs = torch.softmax(scores.float() + bias, dim=-1).to(v.dtype)
-        past_len = past_k.shape[3]
-        on_past, on_new = probs.split((past_len, s), dim=-1)
-        out = torch.matmul(on_past, past_v) + torch.matmul(on_new, v)
-        return out.permute(1, 3, 0, 2, 4).reshape(1, b * s, self.num_heads * dim)
+        heads, group_size, dim = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        q = q.view(b, s, heads, group_size, dim).permute(2, 0, 1, 3, 4).reshape(heads, b, s * group_size, dim)
+        k, v = k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)  # [H, B, S, D]
+        attend = self._attention_rows if group.pair_row is None else self._attention_pairs
+        out = attend(q, k, v, group, past_k, past_v).view(heads, b, s, group_size, dim)  # [H, B, Q, D]
+        return out.permute(1, 2, 0, 3, 4).reshape(1, b * s, self.num_heads * dim)
+
+    def _attention_rows(self, q, k, v, group: PagedGroup, past_k, past_v):
+        """One pair per row (the single-group graph): one softmax over each row's span and its new
+        tokens, with no scatter. A small step is a few rows of similar length, and on a CPU its
+        time goes to the number of operators (engine/batch.py sends such steps here only when one
+        span per row wastes little)."""
+        span = past_k.shape[2]
+        scores = torch.cat((torch.matmul(q, past_k.transpose(-1, -2)), torch.matmul(q, k.transpose(-1, -2))), dim=-1)
+        probs = torch.softmax(scores.float() + group.past_bias, dim=-1).to(v.dtype)  # [H, B, Q, C * bs + S]
+        on_past, on_new = probs.split((span, probs.shape[3] - span), dim=-1)
+        return torch.matmul(on_past, past_v) + torch.matmul(on_new, v)
+
+    def _attention_pairs(self, q, k, v, group: PagedGroup, past_k, past_v):
+        """Attention over pairs; q [H, B, Q, D] (Q = S x G queries per row and kv head), k/v [H, B, S, D].
+
+        Every query of a row meets each of the row's pairs in one matrix multiply; the row's
+        softmax is assembled in float32 from the pairs' maxima and sums (a scatter-max, then
+        scatter-sums of the exponentials and of their products with the values), the new tokens'
+        own scores and products being the starting values. Everything stays [H, rows or pairs, Q,
+        ...], so no layer reshapes between the two.
+        """
+        queries = torch.index_select(q, 1, group.pair_row)  # [H, P, Q, D]
+        past_scores = torch.matmul(queries, past_k.transpose(-1, -2)).float() + group.past_bias  # [H, P, Q, C*bs]
+        new_scores = torch.matmul(q, k.transpose(-1, -2)).float() + group.new_bias  # [H, B, Q, S]
+        top = new_scores.amax(-1, keepdim=True).scatter_reduce(  # [H, B, Q, 1]: each query's max
+            1, group.scatter, past_scores.amax(-1, keepdim=True), reduce="amax", include_self=True)
+        past_probs = torch.exp(past_scores - torch.index_select(top, 1, group.pair_row))
+        new_probs = torch.exp(new_scores - top)
+        total = new_probs.sum(-1, keepdim=True).scatter_add(1, group.scatter, past_probs.sum(-1, keepdim=True))
+        out = torch.matmul(new_probs.to(v.dtype), v).float().scatter_add(
+            1, group.scatter_values, torch.matmul(past_probs.to(past_v.dtype), past_v).float())  # [H, B, Q, D]
+        return (out / total).to(v.dtype)
+
+
+class PagedGroup(NamedTuple):
+    """One attention group's per-step tensors (see `DecoderStep._group`); Q = S x G queries per
+    row and kv head. One pair per row (the single-group graph): no pair_row and no scatters, and
+    past_bias covers the row's span and its new tokens, [1, B, Q, C * bs + S]."""
+
+    tokens: torch.Tensor  # [B, S] packed index of each query position
+    pair_row: torch.Tensor | None  # [P] the group row of each pair
+    blocks: torch.Tensor  # [H * P * C] layer 0's flat block index of each pair's blocks, per kv head
+    past_bias: torch.Tensor  # [1, P, 1, C * bs] float32: 0 on a past key, a large negative past the row's past
+    new_bias: torch.Tensor | None = None  # [1, B, Q, S] float32: causal among the new tokens, padding masked
+    scatter: torch.Tensor | None = None  # [H, P, Q, 1] pair_row, expanded for the scatters
+    scatter_values: torch.Tensor | None = None  # [H, P, Q, D]
 
 
 class StepLayer(nn.Module):
@@ -293,17 +380,19 @@ def _fused_linear(*parts: nn.Linear) -> nn.Linear:
     return fused.requires_grad_(False)
 
 
-def _attention_bias(attention_mask: torch.Tensor, new_len: int) -> torch.Tensor:
-    """Additive float32 bias [1, B, 1, S, P+S]: padding keys and future new tokens are masked.
+def _attention_bias(mask: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Additive float32 bias [1, B, S x G, S] among a group's new tokens (left-padded): a query sees
+    the real new tokens up to itself, for each of its G query heads. Positions are a cumulative sum
+    over the mask's own shape (an arange would carry the tracing device)."""
+    pos = torch.ones_like(mask, dtype=torch.int64).cumsum(1)  # [B, S]: 1, 2, ...
+    allowed = (pos[:, None, :] <= pos[:, :, None]) & mask[:, None, :]  # [B, S, S]
+    return _bias(allowed)[None, :, :, None, :].expand(-1, -1, -1, group_size, -1).flatten(2, 3)
 
-    Key positions are a cumulative sum over the mask's own shape (an arange would carry the
-    tracing device). A large finite negative (not -inf) keeps fully padded rows finite instead of NaN.
-    """
-    key_pos = torch.ones_like(attention_mask, dtype=torch.int64).cumsum(1)  # [B, P+S]: 1, 2, ...
-    query_pos = key_pos[:, key_pos.shape[1] - new_len :]  # [B, S]: the new tokens are the last S keys
-    allowed = (key_pos[:, None, :] <= query_pos[:, :, None]) & attention_mask[:, None, :].bool()
-    bias = torch.zeros_like(allowed, dtype=torch.float32).masked_fill(~allowed, torch.finfo(torch.float32).min)
-    return bias[None, :, None, :, :]
+
+def _bias(allowed: torch.Tensor) -> torch.Tensor:
+    """0 where allowed, a large finite negative elsewhere (not -inf: a query with no allowed key
+    stays finite instead of NaN)."""
+    return torch.zeros_like(allowed, dtype=torch.float32).masked_fill(~allowed, torch.finfo(torch.float32).min)
 
 
 def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from batchstring.engine.block_table import BlockTable, pair_carrier, span_blocks
 from batchstring.export.sampler import CANDIDATES, neutral_inputs
 
 HF_16BIT = "HF itself"  # the 16-bit HF forward, measured against the float32 truth as the runtimes are
@@ -25,6 +26,8 @@ HF_16BIT = "HF itself"  # the 16-bit HF forward, measured against the float32 tr
 # (float16 step 2^-10 ~ 1e-3, bfloat16 2^-7 ~ 8e-3, both relative).
 TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
 CASES = [(batch, past) for batch in (1, 3, 8) for past in (0, 17, 100)]
+CASE_BLOCK_SIZE = 4  # small blocks: every case's rows cross many block and span boundaries
+CASE_SPANS = (2, 3)  # blocks per pair, decode and prefill group: a past of 100 makes 13 and 9 pairs
 NEW_TOKENS = 5
 GREEDY_TOKENS = 32
 GREEDY_PROMPTS = ("def ", "import os\n", "class Parser:\n    def __init__(self")
@@ -48,15 +51,13 @@ class Sampling:
 
 @dataclass
 class Row:
-    """One sequence in a step: its new tokens on top of cached past tokens at `past_slots`."""
+    """One sequence in a step: its new tokens on top of `past` cached tokens, the i-th of which is
+    in cache block `blocks[i // block_size]` at offset `i % block_size`."""
 
     new_ids: list[int]
-    past_slots: list[int]
+    blocks: list[int]
+    past: int
     sampling: Sampling = field(default_factory=Sampling)
-
-    @property
-    def past(self) -> int:
-        return len(self.past_slots)
 
 
 class SingleGroup:
@@ -69,43 +70,45 @@ class SingleGroup:
         return self.run(**feeds)
 
 
-def pack(rows: list[Row], key_cache: np.ndarray, value_cache: np.ndarray,
-         single_group: bool = False) -> dict[str, np.ndarray]:
+def pack(rows: list[Row], key_cache: np.ndarray, value_cache: np.ndarray, single_group: bool = False,
+         spans: tuple[int | None, int | None] = (None, None)) -> dict[str, np.ndarray]:
     """The step's inputs for `rows`, packed in the given order (see export/step.py); with
-    `single_group`, every row in the prefill group, as the engine packs a small step."""
+    `single_group`, every row in the prefill group with one span as long as the longest row, as
+    the engine packs a small step for the single-group graph. `spans`: blocks per pair of the
+    decode and the prefill group (None: the engine's cost model)."""
+    block_size = key_cache.shape[3]
     decode = [] if single_group else [i for i, r in enumerate(rows) if len(r.new_ids) == 1]
     prefill = [i for i, r in enumerate(rows) if i not in decode]
+    # at least as wide as a span: a span that runs past its row's last column reads the next row (masked)
+    table = BlockTable(len(rows), max([len(r.blocks) for r in rows] + [span or 1 for span in spans]))
+    for i, r in enumerate(rows):
+        table.write(i, 0, list(r.blocks))
     starts = np.cumsum([0] + [len(r.new_ids) for r in rows])
     width = max([len(rows[i].new_ids) for i in prefill], default=1)
-    dpast = max([rows[i].past for i in decode], default=0)
-    ppast = max([rows[i].past for i in prefill], default=0)
     order = np.zeros(starts[-1], np.int64)
-    dec_tokens = np.zeros((len(decode), 1), np.int64)
-    dec_slots = np.zeros((len(decode), dpast), np.int64)
-    dec_mask = np.zeros((len(decode), dpast + 1), bool)
-    for j, i in enumerate(decode):
-        dec_tokens[j, 0] = starts[i]
-        dec_slots[j, : rows[i].past] = rows[i].past_slots
-        dec_mask[j, : rows[i].past] = True
-        dec_mask[j, -1] = True
-        order[starts[i]] = j
+    order[starts[decode]] = np.arange(len(decode))
     pre_tokens = np.zeros((len(prefill), width), np.int64)
-    pre_slots = np.zeros((len(prefill), ppast), np.int64)
-    pre_mask = np.zeros((len(prefill), ppast + width), bool)
+    pre_mask = np.zeros((len(prefill), width), bool)
     for j, i in enumerate(prefill):
         n = len(rows[i].new_ids)
         pre_tokens[j, width - n :] = np.arange(starts[i], starts[i] + n)
-        pre_slots[j, : rows[i].past] = rows[i].past_slots
-        pre_mask[j, : rows[i].past] = True
-        pre_mask[j, ppast + width - n :] = True
+        pre_mask[j, width - n :] = True
         order[starts[i] : starts[i] + n] = len(decode) + j * width + np.arange(width - n, width)
+    groups = {}
+    for name, members, queries, span in (("decode", decode, 1, spans[0]), ("prefill", prefill, width, spans[1])):
+        context = np.array([rows[i].past for i in members], np.int64)
+        if single_group:
+            span = max([-(-rows[i].past // block_size) for i in members] + [1])
+        span = span or span_blocks(context, queries, block_size, 1)
+        groups |= {f"{name}_rows": np.array(members, np.int64), f"{name}_context": context,
+                   f"{name}_pairs": pair_carrier(context, span, block_size)}
     sampled = [i for i, r in enumerate(rows) if r.sampling.temperature > 0 or r.sampling.top_k or r.sampling.top_p < 1]
     s = [rows[i].sampling for i in sampled]
     return {
         "input_ids": np.concatenate([r.new_ids for r in rows]).astype(np.int64),
         "position_ids": np.concatenate([np.arange(r.past, r.past + len(r.new_ids)) for r in rows]),
-        "decode_tokens": dec_tokens, "decode_slots": dec_slots, "decode_mask": dec_mask,
-        "prefill_tokens": pre_tokens, "prefill_slots": pre_slots, "prefill_mask": pre_mask, "token_order": order,
+        "decode_tokens": starts[decode][:, None].astype(np.int64), "prefill_tokens": pre_tokens,
+        "prefill_mask": pre_mask, **groups, "token_order": order, "block_table": table.array,
         "logit_tokens": starts[1:] - 1,
         "ban_rows": np.array([i for i, r in enumerate(rows) if r.sampling.ban_eos], np.int64),
         "sample_rows": np.array(sampled, np.int64),
@@ -115,6 +118,19 @@ def pack(rows: list[Row], key_cache: np.ndarray, value_cache: np.ndarray,
         "uniform": np.array([x.uniform for x in s], np.float32), **neutral_inputs(len(s)),
         "key_cache": key_cache, "value_cache": value_cache,
     }
+
+
+def place(cache: np.ndarray, blocks: list[int], start: int, values: np.ndarray) -> None:
+    """Writes `values` [L, H, n, D] as tokens start.. of a row whose tokens live in `blocks`."""
+    block_size = cache.shape[3]
+    positions = np.arange(start, start + values.shape[2])
+    cache[:, :, np.asarray(blocks, np.int64)[positions // block_size], positions % block_size] = values
+
+
+def read(cache: np.ndarray, blocks: list[int], count: int) -> np.ndarray:
+    """The first `count` tokens [L, H, count, D] of a row whose tokens live in `blocks`."""
+    positions = np.arange(count)
+    return cache[:, :, np.asarray(blocks, np.int64)[positions // cache.shape[3]], positions % cache.shape[3]]
 
 
 # ----- the reference sampler -------------------------------------------------------------------
@@ -178,9 +194,10 @@ def _sampling_for(i: int, rng: np.random.Generator) -> Sampling:
     return Sampling(base.temperature, base.top_k, base.top_p, base.ban_eos, float(1.0 - rng.random()))
 
 
-def make_case(hf_model, batch: int, past: int, rng: np.random.Generator) -> Case:
+def make_case(hf_model, batch: int, past: int, rng: np.random.Generator,
+              block_size: int = CASE_BLOCK_SIZE) -> Case:
     """Rows of different past and new lengths (decode rows among prefill rows, shuffled), their
-    cached K/V (from HF's own cache) at shuffled cache slots among garbage slots. `hf_model` is
+    cached K/V (from HF's own cache) in shuffled cache blocks among garbage blocks. `hf_model` is
     the reference: the checkpoint in float32."""
     cfg = hf_model.config
     layers, heads = cfg.num_hidden_layers, cfg.num_key_value_heads
@@ -188,10 +205,11 @@ def make_case(hf_model, batch: int, past: int, rng: np.random.Generator) -> Case
     device = hf_model.device
     past_lens = [past - (i * 7) % (past + 1) for i in range(batch)]
     new_lens = [max(1, NEW_TOKENS - i % 5) for i in range(batch)]  # 5, 4, 3, 2, 1, ...
-    num_slots = sum(past_lens) + 11
-    order = rng.permutation(num_slots)
-    key_cache = rng.standard_normal((layers, heads, num_slots, head_dim)).astype(np.float32)
-    value_cache = rng.standard_normal((layers, heads, num_slots, head_dim)).astype(np.float32)
+    num_blocks = sum(-(-p // block_size) for p in past_lens) + 3
+    order = rng.permutation(num_blocks)
+    shape = (layers, heads, num_blocks, block_size, head_dim)
+    key_cache = rng.standard_normal(shape).astype(np.float32)
+    value_cache = rng.standard_normal(shape).astype(np.float32)
     rows, ref_logits, ref_kv, used = [], [], [], 0
     for i, (p, s) in enumerate(zip(past_lens, new_lens)):
         ids = torch.from_numpy(rng.integers(0, cfg.vocab_size, size=p + s))
@@ -200,15 +218,15 @@ def make_case(hf_model, batch: int, past: int, rng: np.random.Generator) -> Case
         ref_logits.append(_numpy(full.logits[0, -1]))
         keys = np.stack([_numpy(layer.keys[0]) for layer in full.past_key_values.layers])  # [L,H,T,D]
         values = np.stack([_numpy(layer.values[0]) for layer in full.past_key_values.layers])
-        slots = order[used : used + p]
-        used += p
-        key_cache[:, :, slots] = keys[:, :, :p]
-        value_cache[:, :, slots] = values[:, :, :p]
-        rows.append(Row(ids[p:].tolist(), slots.tolist(), _sampling_for(i, rng)))
+        blocks = order[used : used + -(-p // block_size)].tolist()
+        used += len(blocks)
+        place(key_cache, blocks, 0, keys[:, :, :p])
+        place(value_cache, blocks, 0, values[:, :, :p])
+        rows.append(Row(ids[p:].tolist(), blocks, p, _sampling_for(i, rng)))
         ref_kv.append((keys[:, :, p:], values[:, :, p:]))
     shuffle = rng.permutation(batch)  # packed order is the engine's choice, not group order
     rows = [rows[i] for i in shuffle]
-    feeds = pack(rows, key_cache, value_cache)
+    feeds = pack(rows, key_cache, value_cache, spans=CASE_SPANS)
     return Case(feeds, rows, np.stack(ref_logits)[shuffle], [ref_kv[i] for i in shuffle])
 
 
@@ -244,7 +262,7 @@ def hf_outputs(hf_model, case: Case) -> tuple:
     for row in case.rows:
         cache = DynamicCache()
         for layer in range(case.feeds["key_cache"].shape[0]):
-            past = (case.feeds[name][layer][:, row.past_slots][None] for name in ("key_cache", "value_cache"))
+            past = (read(case.feeds[name], row.blocks, row.past)[layer][None] for name in ("key_cache", "value_cache"))
             cache.update(*(torch.from_numpy(np.ascontiguousarray(t)).to(device, hf_model.dtype) for t in past), layer)
         with torch.no_grad():
             out = hf_model(input_ids=torch.tensor([row.new_ids], device=device), past_key_values=cache, use_cache=True,
@@ -297,21 +315,23 @@ def verify_logits(hf_model, runtimes: dict[str, StepFn], eos_ids: list[int], see
 
 
 def greedy_with_step(run: StepFn, prompt_ids: list[int], new_tokens: int, kv_shape: tuple[int, ...],
-                     eos_ids: list[int], dtype: np.dtype) -> list[int]:
+                     eos_ids: list[int], dtype: np.dtype, block_size: int = CASE_BLOCK_SIZE) -> list[int]:
     """Plain greedy loop over the step: one prefill row, then one decode row per token, with the
-    EOS ids banned (as HF's `min_new_tokens` does) so that both run full length."""
+    EOS ids banned (as HF's `min_new_tokens` does) so that both run full length; the row's blocks
+    are scattered over the cache in reverse order."""
     layers, heads, head_dim = kv_shape
-    total = len(prompt_ids) + new_tokens
-    key_cache = np.zeros((layers, heads, total, head_dim), dtype)
+    num_blocks = -(-(len(prompt_ids) + new_tokens) // block_size)
+    blocks = list(range(num_blocks - 1, -1, -1))
+    key_cache = np.zeros((layers, heads, num_blocks, block_size, head_dim), dtype)
     value_cache = np.zeros_like(key_cache)
     out: list[int] = []
     feed = list(prompt_ids)
     for _ in range(new_tokens):
         n_past = len(prompt_ids) + len(out) - len(feed)
-        row = Row(feed, list(range(n_past)), Sampling(ban_eos=True))
+        row = Row(feed, blocks, n_past, Sampling(ban_eos=True))
         next_tokens, *_, k, v = run(**pack([row], key_cache, value_cache, isinstance(run, SingleGroup)))
-        key_cache[:, :, n_past : n_past + len(feed)] = k
-        value_cache[:, :, n_past : n_past + len(feed)] = v
+        place(key_cache, blocks, n_past, k)
+        place(value_cache, blocks, n_past, v)
         out.append(int(next_tokens[0]))
         feed = [out[-1]]
     return out

@@ -20,7 +20,7 @@ from batchstring.client.defaults import MODEL
 from batchstring.frontdoor import tenants
 from batchstring.frontdoor.auth import ApiKeys
 from batchstring.frontdoor.health import Drain, ModelProcess
-from batchstring.frontdoor.limits import Limits
+from batchstring.frontdoor.limits import TRITON_HTTP_BYTES, Limits
 from batchstring.frontdoor.openai_api import OpenAIRoutes, error_response
 
 GET_ROUTES = ("/v2", "/v2/health/live", "/v2/health/ready", f"/v2/models/{MODEL}", f"/v2/models/{MODEL}/ready",
@@ -100,6 +100,10 @@ def make_app(upstream: Upstream, limits: Limits, openai: OpenAIRoutes | None = N
              keys: ApiKeys | None = None, drain: Drain | None = None) -> web.Application:
     async def handle(request: web.Request) -> web.StreamResponse:
         body = await request.read() if request.method == "POST" else b""
+        if len(body) > TRITON_HTTP_BYTES:  # Triton's own HTTP frontend crashes on bodies of a few MB
+            return error(413, f"the request body is {len(body)} bytes; Triton's HTTP routes take at most "
+                              f"{TRITON_HTTP_BYTES} bytes: send longer prompts over gRPC or to /v1/completions",
+                         request.path)
         tenant = tenants.owner(request, keys) if keys is not None and keys.enabled else None
         return await upstream.forward(request, body, tenant)
 

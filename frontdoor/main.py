@@ -50,8 +50,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--triton-http", required=True, help="tritonserver's HTTP endpoint: a Unix socket path or host:port")
     p.add_argument("--triton-grpc", required=True, help="tritonserver's gRPC target (unix:PATH or host:port)")
     p.add_argument("--triton-metrics", required=True, help="tritonserver's metrics endpoint, as --triton-http")
-    p.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes)
-    p.add_argument("--max-message-bytes", type=int, default=Limits.max_message_bytes)
+    p.add_argument("--max-body-bytes", type=int,
+                   help="largest HTTP request body (default: 1 MiB, or room for the model's longest text_input)")
+    p.add_argument("--max-message-bytes", type=int,
+                   help="largest gRPC message (default: 1 MiB, or room for the model's longest text_input)")
     p.add_argument("--tls-cert", type=Path, help="PEM certificate: serve gRPC over TLS")
     p.add_argument("--tls-key", type=Path)
     p.add_argument("--triton-pid", type=int, help="tritonserver's process id: readiness also requires its model "
@@ -86,7 +88,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 async def run(args: argparse.Namespace) -> int:
-    limits = Limits(args.max_body_bytes, args.max_message_bytes)
+    limits = Limits.for_model(args.model_dir, args.max_body_bytes, args.max_message_bytes)
     credentials = None
     if args.tls_cert:
         credentials = grpc.ssl_server_credentials([(args.tls_key.read_bytes(), args.tls_cert.read_bytes())])
@@ -95,7 +97,7 @@ async def run(args: argparse.Namespace) -> int:
     upstream = Upstream(args.triton_http, args.triton_pid)
     openai, client = None, None
     if not args.no_openai:  # requests go to Triton's gRPC socket through the batchstring client
-        client = AsyncBatchClient(args.triton_grpc, max_in_flight=4096, max_message_bytes=args.max_message_bytes)
+        client = AsyncBatchClient(args.triton_grpc, max_in_flight=4096, max_message_bytes=limits.max_message_bytes)
         openai = OpenAIRoutes(client, args.served_model_name, ChatTemplate.find(args.model_dir, args.chat_template),
                               keys)
     drain = Drain()

@@ -61,17 +61,17 @@ def test_dynamic_axes_are_really_dynamic(exported_tiny, tiny_checkpoint):
     session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
     step = DecoderStep(AutoModelForCausalLM.from_pretrained(tiny_checkpoint, attn_implementation="eager"), [0]).eval()
     rng = np.random.default_rng(0)
-    n = 200
-    slots = rng.permutation(n)
+    n = 60  # blocks of 3 tokens: a block size never seen at export time either
+    blocks = rng.permutation(n)
     # shapes never seen at export time: 3 decode rows, 4 prefill rows of 2..9 new tokens, pasts up to 33
     lengths = [(33, 1), (0, 1), (17, 1), (5, 9), (0, 2), (33, 4), (1, 7)]
     rows, used = [], 0
     for i, (past, new) in enumerate(lengths):
-        rows.append(Row(rng.integers(0, 4096, new).tolist(), slots[used : used + past].tolist(),
+        rows.append(Row(rng.integers(0, 4096, new).tolist(), blocks[used : used + -(-past // 3)].tolist(), past,
                         Sampling(temperature=float(i % 2), uniform=0.5)))
-        used += past
-    feeds = pack(rows, rng.standard_normal((2, 2, n, 16)).astype(np.float32),
-                 rng.standard_normal((2, 2, n, 16)).astype(np.float32))
+        used += -(-past // 3)
+    feeds = pack(rows, rng.standard_normal((2, 2, n, 3, 16)).astype(np.float32),
+                 rng.standard_normal((2, 2, n, 3, 16)).astype(np.float32))
     outputs = session.run(None, feeds)
     with torch.no_grad():
         ref = step(*(torch.from_numpy(feeds[name]) for name in artifacts.INPUT_NAMES))
@@ -97,10 +97,10 @@ def test_the_small_step_graph_computes_a_small_steps_packing_as_the_full_graph_w
     nodes = {name: len(onnx.load(str(out / name)).graph.node) for name in ("model.onnx", SMALL_STEP_GRAPH)}
     assert nodes[SMALL_STEP_GRAPH] < 0.85 * nodes["model.onnx"], nodes
     rng = np.random.default_rng(1)
-    rows = [Row(rng.integers(0, 4096, new).tolist(), list(range(start, start + past)),
+    rows = [Row(rng.integers(0, 4096, new).tolist(), list(range(start, start + -(-past // 4))), past,
                 Sampling(temperature=t, uniform=0.4))
-            for (past, new, start, t) in ((40, 1, 0, 0.0), (3, 5, 50, 1.0), (0, 1, 60, 0.0), (12, 2, 70, 0.8))]
-    caches = [rng.standard_normal((2, 2, 100, 16)).astype(np.float32) for _ in range(2)]
+            for (past, new, start, t) in ((40, 1, 0, 0.0), (3, 5, 12, 1.0), (0, 1, 14, 0.0), (12, 2, 16, 0.8))]
+    caches = [rng.standard_normal((2, 2, 25, 4, 16)).astype(np.float32) for _ in range(2)]
     feeds = pack(rows, *caches, single_group=True)
     assert feeds["decode_tokens"].shape[0] == 0 and feeds["prefill_tokens"].shape == (4, 5)
     ours, theirs = small.run(None, feeds), full.run(None, feeds)
@@ -205,12 +205,12 @@ def test_a_plain_greedy_step_skips_the_sampling_head_and_picks_what_the_whole_he
     session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
     traced = torch.jit.load(str(out / "model.pt"))
     rng = np.random.default_rng(2)
-    caches = [rng.standard_normal((2, 2, 80, 16)).astype(np.float32) for _ in range(2)]
-    plain = [Row(rng.integers(0, 4096, new).tolist(), list(range(start, start + past)))
-             for past, new, start in ((20, 1, 0), (0, 6, 20), (9, 1, 30), (4, 3, 40))]
+    caches = [rng.standard_normal((2, 2, 20, 4, 16)).astype(np.float32) for _ in range(2)]
+    plain = [Row(rng.integers(0, 4096, new).tolist(), list(range(start, start + -(-past // 4))), past)
+             for past, new, start in ((20, 1, 0), (0, 6, 5), (9, 1, 6), (4, 3, 9))]
     neutral = {"adjust_rows": np.array([1]), "adjust_tokens": np.array([7]), "adjust_bias": np.zeros(1, np.float32),
                "adjust_scale": np.ones(1, np.float32), "adjust_shift": np.zeros(1, np.float32)}
-    banned = [Row(r.new_ids, r.past_slots, Sampling(ban_eos=i == 2)) for i, r in enumerate(plain)]
+    banned = [Row(r.new_ids, r.blocks, r.past, Sampling(ban_eos=i == 2)) for i, r in enumerate(plain)]
     allow_all = {"mask_rows": np.array([3]), "token_mask": np.full((1, 4096 // 32), -1, np.int32)}
     logprobs_only = {"sample_rows": np.array([0]), "temperature": np.zeros(1, np.float32),
                      "top_k": np.zeros(1, np.int64), "top_p": np.ones(1, np.float32),

@@ -122,11 +122,13 @@ def test_auto_keeps_a_1b_model_under_onnx_runtimes_32_bit_gather_and_torchscript
     assert "set by the index (ONNX Runtime CUDA: 32-bit Gather offsets) ceiling" in onnx.reason
     torchscript = auto_plan(gpu_config("torchscript"), LLAMA_1B, weights, FREE, "cuda:3 free memory")
     assert "set by the memory" in torchscript.reason and torchscript.arena_bytes == 0
-    # 64 rows padded to a 131072-token past: 64 x 131072 x (K+V 2 x 8 x 64 x 2 bytes + scores 2 x 32 x 4) x 1.25
-    assert torchscript.activation_bytes == pytest.approx(64 * 131072 * (2048 + 256) * 1.25, rel=0.02)
+    # 64 rows of a 131072-token past: 64 x 131072 x (K+V 2 x 8 x 64 x 2 bytes + scores 2 x 32 x 4), and 512
+    # prefill queries over that past: 512 x 131072 x scores 2 x 32 x 4; x 1.25
+    assert torchscript.activation_bytes == pytest.approx((64 * 131072 * (2048 + 256) + 512 * 131072 * 256) * 1.25,
+                                                         rel=0.02)
     used = torchscript.tokens * LLAMA_1B.bytes_per_token + weights + torchscript.activation_bytes
     assert used <= 0.9 * FREE < used + 16 * LLAMA_1B.bytes_per_token, "whole blocks of what the fraction leaves"
-    assert 2_500_000 < torchscript.tokens < 64 * 131072
+    assert 2_000_000 < torchscript.tokens < 64 * 131072
 
 
 def test_a_configured_cache_past_the_index_ceiling_is_refused_with_the_numbers():
@@ -144,7 +146,7 @@ def test_auto_refuses_less_than_one_context_and_names_every_ceiling():
         auto_plan(gpu_config("torchscript"), LLAMA_1B, int(2.47e9), 24 * GIB, "cuda:0 free memory")
 
 
-def test_activations_grow_with_the_step_and_the_padded_past():
+def test_activations_grow_with_the_step_and_the_past():
     small = activation_bytes(LLAMA_1B, 512, 64, 4096)
     assert activation_bytes(LLAMA_1B, 8192, 64, 4096) > small
     assert activation_bytes(LLAMA_1B, 512, 64, 131072) > 20 * small

@@ -78,8 +78,9 @@ class LogitsRunner(OnnxRunner):
         self._feeds = batch.feeds
         return super().step(batch)
 
-    def _run(self, feeds):
-        out = self.session.run([*FETCHED, "logits"], {**feeds, "key_cache": self.keys, "value_cache": self.values})
+    def _run(self, feeds, table):
+        out = self.session.run([*FETCHED, "logits"], {**feeds, "block_table": table.array, "key_cache": self.keys,
+                                                      "value_cache": self.values})
         self.steps.append((self._feeds, self._rows, out[-1], out[0]))
         return out[:-1]
 
@@ -106,7 +107,7 @@ def recorded(model_dir):
     """One in-process run mixing every kind of row: plain greedy, penalties, logit_bias, min_p,
     constrained (greedy and sampled)."""
     spec = RuntimeSpec.load(model_dir / "runtime.json")
-    runner = LogitsRunner(model_dir, spec, 64 * 16, "cpu", 2)
+    runner = LogitsRunner(model_dir, spec, 64, 16, "cpu", 2)
     eng = engine(model_dir, runner, kv_cache_tokens=64 * 16)
     kinds = [
         params(temperature=0, max_tokens=12, ignore_eos=True),

@@ -15,7 +15,10 @@ limit and each written to results/gpu-check/report.md and report.json as soon as
 4. for each model, the in-process engine on the device with `kv_cache_tokens: auto` (its
    start-up line reported): output tokens/s at batch 1, 16, 64 and 256, the device time per step
    from CUDA events next to the host time, HF `generate` on the same prompts as the side-by-side
-   reference, and one long-context row among short ones.
+   reference, one long-context row among short ones (its greedy tokens against its run alone, and
+   the device time per decode step beside the short rows alone);
+5. decode steps replayed from CUDA graphs (`cuda_graphs`) against without: the same greedy tokens,
+   and device time per step beside each other.
 
 `--device cpu --quick` runs the same stages on the CPU with tiny shapes and few tokens (`make
 test` runs it). Tier 2, `--full`, adds what needs a GPU host with an index and `make install`:
@@ -293,6 +296,7 @@ def engine_check(ctx: dict, model: str, dtype: str) -> list[str]:
     for batch in scope.batches:
         lines.append(_throughput_row(core, runner, reference, _prompts(batch), scope.max_tokens))
     lines.append(_long_row(core, scope, spec.context_length))
+    lines.append(_long_timing(core, runner, scope, spec))
     del core, runner, reference
     _free_device(scope.device)
     return lines
@@ -338,6 +342,80 @@ def _long_row(core, scope: Scope, context: int) -> str:
     same = mixed[0].output_ids == alone[0].output_ids
     return (f"long-context row: a {len(mixed[0].prompt_ids)}-token prompt among 7 short ones, every row ran its "
             f"{scope.max_tokens} tokens; its greedy tokens {'equal' if same else 'DIFFER from'} its run alone")
+
+
+def _long_timing(core, runner: TimedRunner, scope: Scope, spec) -> str:
+    """Device time per decode step of one long row among short ones against the short rows alone
+    (rows set up as a prefill leaves them: loadtest/long_context.py), taking turns."""
+    from batchstring.engine.batch import build_step
+    from batchstring.loadtest.long_context import SHORT, decoding
+
+    blocks = core.scheduler.blocks
+    rows = min(64, max(scope.batches))
+    long = min(scope.long_prompt, spec.context_length - 1)
+    cases = {"short": [SHORT] * rows, "mixed": [SHORT] * (rows - 1) + [long]}
+    timings: dict[str, list[float]] = {name: [] for name in cases}
+    group = max(1, spec.num_heads // spec.num_kv_heads)
+    for _ in range(3):
+        for name, pasts in cases.items():
+            work = decoding(blocks, pasts)
+            batch = build_step(work, blocks, query_group=group)
+            runner.step(batch)
+            runner.reset()
+            for _ in range(5):
+                runner.step(batch)
+            device = runner.device_seconds()
+            timings[name].append((device if device is not None else runner.wall) / 5 * 1e3)
+            for w in work:
+                blocks.release(w.seq)
+    short, mixed = (sorted(timings[name])[1] for name in cases)
+    sums = sum(cases["mixed"]) / sum(cases["short"])
+    kind = "device" if scope.device.startswith("cuda") else "wall"
+    return (f"long row among short ones: {rows - 1} rows of {SHORT} past tokens and one of {long}: {mixed:.2f} ms "
+            f"of {kind} time per decode step, against {short:.2f} ms for {rows} rows of {SHORT} ({mixed / short:.2f}x; "
+            f"the contexts sum to {sums:.2f}x)")
+
+
+def cuda_graphs(ctx: dict) -> list[str]:
+    """The engine with decode steps replayed from CUDA graphs against without, on the device: the
+    same greedy tokens, and device time per step beside each other."""
+    from batchstring.engine.config import EngineConfig
+    from batchstring.engine.core import EngineCore
+    from batchstring.engine.runner import RuntimeSpec, build_runner
+
+    scope = ctx["scope"]
+    if not scope.device.startswith("cuda"):
+        return ["not run on the CPU: graphs are captured on CUDA devices only; the bucketed step they hold is "
+                "checked against the unpadded one on the CPU by the tests (tests/test_long_context.py)"]
+    model_dir = ctx["exports"].get((SHIPPED, "float16"))
+    if model_dir is None:
+        raise CheckFailed(f"the float16 export of the {SHIPPED} did not succeed (see its stage)")
+    spec = RuntimeSpec.load(model_dir / "runtime.json")
+    outputs = {}
+    lines = ["| batch | device ms/step without graphs | with graphs | graphs captured |", "|---|---|---|---|"]
+    timings: dict[int, list[str]] = {}
+    for graphs in (False, True):
+        config = EngineConfig(model_dir=model_dir, runtime="torchscript", device=scope.device, kv_cache_tokens=64 * 512,
+                              max_num_seqs=64, cuda_graphs=graphs)
+        runner = TimedRunner(build_runner("torchscript", model_dir, spec, 64 * 512 // 16, 16, scope.device, 0,
+                                          cuda_graphs=graphs), True)
+        core = EngineCore(config, runner)
+        for batch in (1, 16, 64):
+            runner.reset()
+            steps = core.stats.steps
+            outputs[graphs, batch] = [s.output_ids for s in _generate(core, _prompts(batch), 32)]
+            timings.setdefault(batch, []).append(f"{runner.device_seconds() / (core.stats.steps - steps) * 1e3:.3f}")
+        captured = len(runner.runner.graphs.captured) if graphs else 0
+        del core, runner
+        _free_device(scope.device)
+    for batch, (plain, graphed) in timings.items():
+        lines.append(f"| {batch} | {plain} | {graphed} | {captured} (all batches) |")
+    same = sum(a == b for batch in (1, 16, 64) for a, b in zip(outputs[False, batch], outputs[True, batch]))
+    lines.append(f"greedy 32 tokens with graphs identical to without: {same}/81 completions (float16: a different "
+                 "span per row may flip a near-tie)")
+    if same < 41:
+        raise CheckFailed(f"with CUDA graphs only {same}/81 greedy completions equal those without")
+    return lines
 
 
 class HFReference:
@@ -447,7 +525,8 @@ def stages(scope: Scope, full: bool) -> list[Stage]:
     found += [Stage(f"engine on {scope.device}: {SHIPPED}, float16", scope.limit(60),
                     engine_on_device(SHIPPED, "float16")),
               Stage(f"engine on {scope.device}: {SYNTHETIC}, bfloat16", scope.limit(120),
-                    engine_on_device(SYNTHETIC, "bfloat16"))]
+                    engine_on_device(SYNTHETIC, "bfloat16")),
+              Stage(f"CUDA graphs on {scope.device}: {SHIPPED}, float16", scope.limit(60), cuda_graphs)]
     if full:
         found += [Stage("tier 2: onnxruntime CUDA provider", 30, onnxruntime_cuda),
                   Stage("tier 2: export float16 (ONNX and TorchScript)", 300, onnx_export),

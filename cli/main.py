@@ -41,7 +41,9 @@ COMMANDS = {
     "peer-bench": ("batchstring.loadtest.peer_bench", "add_arguments", "run",
                    "ours beside llama.cpp's server and HF generate on the same weights, 1-64 callers"),
     "engine-bench": ("batchstring.loadtest.engine_bench", "add_arguments", "run",
-                     "in-process engine: static vs continuous, and the runner ceiling"),
+                     "in-process engine: static vs continuous, the runner ceiling, host time, long contexts"),
+    "long-bench": ("batchstring.loadtest.long_served", "add_arguments", "run",
+                   "one long prompt served beside 16 short streaming callers: their inter-token latency, its TTFT"),
 }
 
 

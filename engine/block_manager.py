@@ -103,7 +103,7 @@ class BlockManager:
             if not self._refs[block]:
                 del self._cached[block]
             self._refs[block] += 1
-        seq.block_hashes = [self._hash[b] for b in hits]
+        seq.committed = len(hits)
         self._assign(seq, hits)
         seq.num_cached = cached
         self.grow(seq, cached + new_tokens)
@@ -144,7 +144,7 @@ class BlockManager:
             else:
                 self._cached[block] = None
         seq.blocks = []
-        seq.block_hashes = []
+        seq.committed = 0
         seq.num_cached = 0
         if seq.row is not None:
             self._free_rows.append(seq.row)
@@ -155,28 +155,34 @@ class BlockManager:
     def _lookup(self, seq: Sequence) -> list[int]:
         """Cached blocks that equal the sequence's leading full blocks, short of its last token
         (which must be computed: its logits give the next token)."""
-        hits, parent = [], b""
+        hits = []
         for i in range((seq.num_tokens - 1) // self.block_size):
-            tokens = seq.token_slice(i * self.block_size, (i + 1) * self.block_size)
-            parent = block_key(parent, tokens, seq.cache_salt)
-            block = self._by_hash.get(parent)
-            if block is None or self._tokens[block] != tokens:  # a hash collision is a miss
+            block = self._by_hash.get(self._key(seq, i))
+            if block is None or self._tokens[block] != self._block_tokens(seq, i):  # a hash collision is a miss
                 break
             hits.append(block)
         return hits
 
     def commit(self, seq: Sequence) -> None:
         """Makes the sequence's newly filled blocks findable by later sequences."""
-        size = self.block_size
-        while len(seq.block_hashes) < seq.num_cached // size:
-            i = len(seq.block_hashes)
-            tokens = seq.token_slice(i * size, (i + 1) * size)
-            parent = block_key(seq.block_hashes[-1] if i else b"", tokens, seq.cache_salt)
-            seq.block_hashes.append(parent)
-            block = seq.blocks[i]
+        while seq.committed < seq.num_cached // self.block_size:
+            i = seq.committed
+            block, key = seq.blocks[i], self._key(seq, i)
             if self._hash[block] is None:
-                self._hash[block], self._tokens[block] = parent, tokens
-                self._by_hash.setdefault(parent, block)
+                self._hash[block], self._tokens[block] = key, self._block_tokens(seq, i)
+                self._by_hash.setdefault(key, block)
+            seq.committed += 1
+
+    def _key(self, seq: Sequence, i: int) -> bytes:
+        """The key of the sequence's i-th full block, computed once per sequence: a prompt that
+        waits for room is looked up at every step, and a 16k-token one has a thousand blocks."""
+        keys = seq.block_keys
+        while len(keys) <= i:
+            keys.append(block_key(keys[-1] if keys else b"", self._block_tokens(seq, len(keys)), seq.cache_salt))
+        return keys[i]
+
+    def _block_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
+        return seq.token_slice(i * self.block_size, (i + 1) * self.block_size)
 
 
 def block_key(parent: bytes, tokens: tuple[int, ...], salt: bytes) -> bytes:

@@ -59,12 +59,14 @@ class BlockTable:
             self._journal = ([], [])
 
     def drain(self) -> tuple[np.ndarray, np.ndarray]:
-        """(flat indices, blocks) written since the last drain, in order (a later write wins)."""
+        """(flat indices, blocks) written since the last drain, each index once with its last
+        write (a device's indexed assignment leaves duplicates' order undefined)."""
         if self._journal is None or not self._journal[0]:
             return _NONE, _NONE
         index, blocks = (np.asarray(part, np.int64) for part in self._journal)
         self._journal = ([], [])
-        return index, blocks
+        last = len(index) - 1 - np.unique(index[::-1], return_index=True)[1]
+        return index[last], blocks[last]
 
 
 _NONE = np.zeros(0, np.int64)

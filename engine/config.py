@@ -39,6 +39,7 @@ class EngineConfig:
     small_step_threads: int = 2  # threads 0, ONNX Runtime on the CPU: spinning threads of the small-step session
     speculative_tokens: int = 4  # n-gram draft tokens per decoding row and step; 0 = no speculation
     speculative_step_tokens: int = 16  # drafts only while the step, drafts included, has at most this many tokens
+    cuda_graphs: bool = False  # torchscript on a GPU: decode steps replayed from CUDA graphs (engine/buckets.py)
 
     def __post_init__(self) -> None:
         if self.runtime not in RUNTIMES:
@@ -57,6 +58,9 @@ class EngineConfig:
         if self.speculative_tokens < 0 or self.speculative_step_tokens < 1:
             raise ValueError("parameter speculative_tokens must be >= 0 (0: off) and speculative_step_tokens >= 1; "
                              f"got {self.speculative_tokens}, {self.speculative_step_tokens}")
+        if self.cuda_graphs and self.runtime != "torchscript":
+            raise ValueError("parameter cuda_graphs needs runtime torchscript (the CUDA graphs are captured around "
+                             f"the TorchScript step); got runtime {self.runtime!r}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("parameter long_prefill_token_threshold must be >= 0 (0: no cap); "
                              f"got {self.long_prefill_token_threshold}")

@@ -54,7 +54,7 @@ class EngineCore:
                                    self.speculator if self.speculator.enabled else None)
         runner = runner or build_runner(config.runtime, model_dir, self.spec, num_blocks, config.block_size,
                                         config.device, config.threads, self.cache.arena_bytes,
-                                        config.small_step_threads)
+                                        config.small_step_threads, config.cuda_graphs)
         self.runner = with_faults(runner, config.fault_marker)
         self.isolation = IsolatedStep(self.runner, self.scheduler, self.stats, self.spec.eos_token_ids,
                                       max(1, self.spec.num_heads // self.spec.num_kv_heads))

@@ -22,7 +22,8 @@ import numpy as np
 
 from batchstring.engine.batch import SMALL_STEP_TOKENS, StepBatch
 from batchstring.engine.block_table import BlockTable
-from batchstring.export.layout import SMALL_STEP_GRAPH
+from batchstring.engine.buckets import PaddedStep, pad_decode
+from batchstring.export.layout import INPUT_NAMES, OUTPUT_NAMES, SMALL_STEP_GRAPH
 
 FETCHED = ("next_tokens", "token_logprobs", "top_ids", "top_logprobs", "new_keys", "new_values")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -49,8 +50,9 @@ class RuntimeSpec:
     @classmethod
     def load(cls, path: Path) -> RuntimeSpec:
         raw = json.loads(path.read_text())
-        if "next_tokens" not in raw.get("outputs", []):
-            raise RuntimeError(f"{path.parent} holds a step exported by an older batchstring; run `batchstring export`")
+        if tuple(raw.get("inputs", ())) != INPUT_NAMES or tuple(raw.get("outputs", ())) != OUTPUT_NAMES:
+            raise RuntimeError(f"{path.parent} holds a step exported by another batchstring (its inputs and outputs "
+                               "are not this engine's); export it again with `batchstring export`")
         # Exports before hidden_size was recorded: query heads x head dim, and a 4x MLP (an upper bound).
         hidden = raw.get("hidden_size", raw["num_heads"] * raw["head_dim"])
         return cls(raw["num_layers"], raw["num_kv_heads"], raw["head_dim"], raw["vocab_size"], raw["context_length"],
@@ -113,7 +115,7 @@ class DeviceTable:
         if table is not self.source:
             table.journal()  # before the copy: every later write reaches the device
             table.drain()
-            self.source, self.tensor = table, torch.from_numpy(table.array).to(self.device)
+            self.source, self.tensor = table, torch.tensor(table.array, device=self.device)  # a copy
         index, blocks = table.drain()
         if len(index):
             self.tensor.view(-1)[torch.from_numpy(index).to(self.device)] = torch.from_numpy(blocks).to(self.device)
@@ -342,10 +344,14 @@ class OnnxCudaRunner(PagedCacheRunner):
 
 
 class TorchScriptRunner(PagedCacheRunner):
-    """The TorchScript step on the instance's device; the cache stays on that device."""
+    """The TorchScript step on the instance's device; the cache stays on that device.
+
+    With `cuda_graphs` on a CUDA device, decode steps that fit a bucket (engine/buckets.py) are
+    replayed from CUDA graphs (`CudaGraphs`), the cache write inside the graph; the cache gets one
+    scratch block more, which the padding rows write to."""
 
     def __init__(self, model_dir: Path, spec: RuntimeSpec, num_blocks: int, block_size: int, device: str,
-                 threads: int) -> None:
+                 threads: int, cuda_graphs: bool = False) -> None:
         import torch
 
         if threads > 0:
@@ -360,31 +366,97 @@ class TorchScriptRunner(PagedCacheRunner):
             self.module = torch.jit.load(str(model_dir / "model.pt"), map_location=self.device).eval()
         self.spec = spec
         self.names = [n for n in spec.inputs if n not in ("key_cache", "value_cache")]
-        self.keys = torch.zeros(spec.cache_shape(num_blocks, block_size), dtype=getattr(torch, spec.dtype),
+        graphs = cuda_graphs and self.device.type == "cuda"
+        self.keys = torch.zeros(spec.cache_shape(num_blocks + graphs, block_size), dtype=getattr(torch, spec.dtype),
                                 device=self.device)
         self.values = torch.zeros_like(self.keys)
         self.table = DeviceTable(torch, self.device)
+        self.graphs = CudaGraphs(self, num_blocks * block_size) if graphs else None
+
+    def step(self, batch: StepBatch) -> StepOutput:
+        padded = self.graphs and pad_decode(batch, self.keys.shape[3], self.graphs.scratch_slot)
+        if not padded:
+            return super().step(batch)
+        return self.graphs.replay(padded, self.table.sync(batch.table))
 
     def _run(self, feeds: dict[str, np.ndarray], table: BlockTable) -> tuple:
-        torch = self.torch
-        feeds = {**feeds, "block_table": self.table.sync(table)}
-        inputs = [torch.as_tensor(feeds[n]).to(self.device, non_blocking=True) for n in self.names]
-        with torch.inference_mode():
-            tokens, logprobs, top_ids, top_logprobs, _, new_k, new_v = self.module(*inputs, self.keys, self.values)
+        with self.torch.inference_mode():
+            tokens, logprobs, top_ids, top_logprobs, _, new_k, new_v = self._call(self._inputs(feeds, table))
         return (*(t.cpu().numpy() for t in (tokens, logprobs, top_ids, top_logprobs)), new_k, new_v)
 
-    def _write(self, slots: np.ndarray, new_keys, new_values) -> None:
+    def _inputs(self, feeds: dict[str, np.ndarray], table) -> list:
+        """The step's inputs on the device, in order; `table` a device table or a BlockTable."""
+        table = table if isinstance(table, self.torch.Tensor) else self.table.sync(table)
+        torch = self.torch
+        return [table if n == "block_table" else torch.as_tensor(feeds[n]).to(self.device, non_blocking=True)
+                for n in self.names]
+
+    def _call(self, inputs: list) -> tuple:
+        return self.module(*inputs, self.keys, self.values)
+
+    def _write(self, slots, new_keys, new_values) -> None:
         with self.torch.inference_mode():
-            super()._write(self.torch.from_numpy(slots).to(self.device), new_keys, new_values)
+            index = slots if isinstance(slots, self.torch.Tensor) else self.torch.from_numpy(slots).to(self.device)
+            super()._write(index, new_keys, new_values)
+
+
+class CudaGraphs:
+    """Decode steps replayed from CUDA graphs, one per bucket (engine/buckets.py), captured the
+    first time a bucket comes up: the step and its cache write, on static input buffers that each
+    replay refills. The graphs share one memory pool (one replays at a time). Off by default
+    (`cuda_graphs`): capture is verified by `make gpu-check` on a GPU, not on the CPU."""
+
+    def __init__(self, runner: TorchScriptRunner, scratch_slot: int) -> None:
+        self.runner = runner
+        self.scratch_slot = scratch_slot  # the cache's extra block: where padding rows write
+        self.captured: dict[tuple[int, int], tuple] = {}
+        self.pool = None
+
+    def replay(self, padded: PaddedStep, table) -> StepOutput:
+        torch = self.runner.torch
+        graph, inputs, slots, outputs = self.captured.get(padded.key) or self._capture(padded, table)
+        for name, buffer in inputs.items():
+            buffer.copy_(torch.from_numpy(padded.feeds[name]), non_blocking=True)
+        slots.copy_(torch.from_numpy(padded.write_slots), non_blocking=True)
+        graph.replay()
+        tokens, logprobs, top_ids, top_logprobs = (t.cpu().numpy() for t in outputs[:4])
+        n, m = padded.rows, padded.sampled
+        return StepOutput(tokens[:n], logprobs[:m], top_ids[:m], top_logprobs[:m])
+
+    def _capture(self, padded: PaddedStep, table) -> tuple:
+        runner, torch = self.runner, self.runner.torch
+        tensors = runner._inputs(padded.feeds, table)
+        inputs = {n: t.clone() for n, t in zip(runner.names, tensors) if n != "block_table"}  # the static buffers
+        slots = torch.from_numpy(padded.write_slots).to(runner.device)
+        ordered = [table if n == "block_table" else inputs[n] for n in runner.names]
+
+        def step() -> tuple:
+            outputs = runner._call(ordered)
+            runner._write(slots, outputs[5], outputs[6])
+            return outputs
+
+        with torch.inference_mode():
+            side = torch.cuda.Stream(runner.device)
+            side.wait_stream(torch.cuda.current_stream(runner.device))
+            with torch.cuda.stream(side):  # a first run off the capture: the allocator's and the kernels' set-up
+                step()
+            torch.cuda.current_stream(runner.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                outputs = step()
+        self.pool = graph.pool()
+        self.captured[padded.key] = (graph, inputs, slots, outputs)
+        return self.captured[padded.key]
 
 
 def build_runner(runtime: str, model_dir: Path, spec: RuntimeSpec, num_blocks: int, block_size: int, device: str,
-                 threads: int, arena_bytes: int = 0, small_step_threads: int = 1) -> PagedCacheRunner:
+                 threads: int, arena_bytes: int = 0, small_step_threads: int = 1,
+                 cuda_graphs: bool = False) -> PagedCacheRunner:
     """`arena_bytes`: ONNX Runtime's CUDA arena limit (engine/memory.py's `CachePlan.arena_bytes`);
-    `small_step_threads`: the CPU's small-step session (OnnxRunner). The other runtimes hold no
-    arena and no second session of their own and ignore them."""
+    `small_step_threads`: the CPU's small-step session (OnnxRunner); `cuda_graphs`: decode steps
+    replayed from CUDA graphs (TorchScriptRunner on a GPU). The other runtimes ignore what is not theirs."""
     if runtime == "torchscript":
-        return TorchScriptRunner(model_dir, spec, num_blocks, block_size, device, threads)
+        return TorchScriptRunner(model_dir, spec, num_blocks, block_size, device, threads, cuda_graphs)
     if device != "cpu":
         return OnnxCudaRunner(model_dir, spec, num_blocks, block_size, device, threads, arena_bytes)
     return OnnxRunner(model_dir, spec, num_blocks, block_size, device, threads, small_step_threads)

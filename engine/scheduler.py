@@ -285,7 +285,7 @@ class Scheduler:
         for w in work:
             seq = w.seq
             seq.num_cached += w.new
-            if self.blocks.prefix_caching and seq.num_cached // size > len(seq.block_hashes):
+            if self.blocks.prefix_caching and seq.num_cached // size > seq.committed:
                 self.blocks.commit(seq)
         return ended
 

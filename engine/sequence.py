@@ -35,7 +35,8 @@ class Sequence:
     deadline: float | None = None  # time.monotonic() after which nobody will read the answer
     output_ids: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache keys of its leading full blocks
+    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its leading full blocks (a memo)
+    committed: int = 0  # leading blocks it has made findable in the prefix cache
     priority: int = 1  # 1: interactive; higher: background (Batch API lines), which gives way to 1
     cache_salt: bytes = b""  # keys its prefix-cache blocks: only sequences with the same salt share them
     row: int | None = None  # its row in the block manager's table while it holds blocks

@@ -14,20 +14,8 @@ import numpy as np
 import torch
 from torch.export import Dim
 
+from batchstring.export.layout import INPUT_NAMES, OUTPUT_NAMES
 from batchstring.export.step import DecoderStep
-
-INPUT_NAMES = (
-    "input_ids", "position_ids",
-    "decode_tokens", "decode_rows", "decode_context", "decode_pairs",
-    "prefill_tokens", "prefill_mask", "prefill_rows", "prefill_context", "prefill_pairs",
-    "token_order", "block_table",
-    "logit_tokens", "ban_rows", "sample_rows", "temperature", "top_k", "top_p", "uniform",
-    "min_p", "mask_rows", "token_mask",
-    "adjust_rows", "adjust_tokens", "adjust_bias", "adjust_scale", "adjust_shift",
-    "key_cache", "value_cache",
-)
-OUTPUT_NAMES = ("next_tokens", "token_logprobs", "top_ids", "top_logprobs", "logits", "new_keys", "new_values")
-
 
 # The example step's sizes: every dynamic axis has its own size > 1, so the exporter can neither
 # specialise nor merge them (tests/test_export.py checks that they stay distinct).

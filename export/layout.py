@@ -15,3 +15,17 @@ SMALL_STEP_GRAPH = "model.small.onnx"
 
 def missing_artifacts(version_dir: Path = MODEL_VERSION_DIR) -> list[str]:
     return [name for name in ARTIFACTS if not (version_dir / name).is_file()]
+
+# The exported step's inputs and outputs, in order (export/step.py says what each is); an export whose
+# runtime.json lists others was made by another batchstring and is refused (engine/runner.py).
+INPUT_NAMES = (
+    "input_ids", "position_ids",
+    "decode_tokens", "decode_rows", "decode_context", "decode_pairs",
+    "prefill_tokens", "prefill_mask", "prefill_rows", "prefill_context", "prefill_pairs",
+    "token_order", "block_table",
+    "logit_tokens", "ban_rows", "sample_rows", "temperature", "top_k", "top_p", "uniform",
+    "min_p", "mask_rows", "token_mask",
+    "adjust_rows", "adjust_tokens", "adjust_bias", "adjust_scale", "adjust_shift",
+    "key_cache", "value_cache",
+)
+OUTPUT_NAMES = ("next_tokens", "token_logprobs", "top_ids", "top_logprobs", "logits", "new_keys", "new_values")

@@ -11,6 +11,10 @@ Sections (`--only` picks some):
   through `batchstring export --model` (built once under results/).
 - interference: inter-token latency of decoding sequences while long prompts arrive, chunked
   prefill on vs off (loadtest/interference.py).
+- long: a long row among 63 short decoding rows against the 64 short rows, per runtime, beside
+  the ratio of their context sums, and the host time of a step's inputs at 64 rows of 16k
+  against 64 of 256 (loadtest/long_context.py; a 32k-context model built once under results/).
+- ops: operators one decode step runs at batch 1 and 64, per runtime.
 """
 
 from __future__ import annotations
@@ -35,12 +39,12 @@ from batchstring.engine.sampling import SamplingParams
 from batchstring.engine.sequence import Sequence
 from batchstring.engine.serving import ServingEngine
 from batchstring.export.layout import MODEL_VERSION_DIR
-from batchstring.loadtest import host_overhead, interference
+from batchstring.loadtest import host_overhead, interference, long_context
 from batchstring.loadtest.workload import Item, mixed
 
 MODES = ("static", "continuous")
 CEILING_BATCHES = (1, 2, 4, 8, 16, 32, 64)
-SECTIONS = ("scheduling", "ceiling", "host", "vocab", "interference")
+SECTIONS = ("scheduling", "ceiling", "host", "vocab", "interference", "long", "ops")
 VOCAB = 128256  # Llama 3's vocabulary size
 
 
@@ -207,6 +211,22 @@ def run(args: argparse.Namespace) -> int:
         bar.close()
         report_interference(console, runs)
         report_data["interference"] = [asdict(r) for r in runs]
+    if "long" in sections:
+        long_dir = long_context.long_model(args.long_model)
+        runtimes = ("onnxruntime", "torchscript")
+        bar = tqdm(total=2 * 5 * len(long_context.LENGTHS) * len(runtimes), desc="long contexts", unit="run",
+                   leave=False)
+        decode = {runtime: long_context.decode_ratios(long_dir, runtime=runtime, progress=bar.update)
+                  for runtime in runtimes}
+        bar.close()
+        host = long_context.host_ratio()
+        report_long(console, decode, host)
+        report_data["long"] = {"decode": {r: [{**asdict(x), "ratio": x.ratio} for x in v] for r, v in decode.items()},
+                               "host": {**asdict(host), "ratio": host.ratio}}
+    if "ops" in sections:
+        ops = long_context.operators(model_dir)
+        report_ops(console, ops)
+        report_data["ops"] = ops
     if args.profile:
         console.print(host_overhead.profile_host(model_dir, out=args.profile))
         console.print(f"cProfile stats written to {args.profile} (python -m pstats {args.profile})")
@@ -265,6 +285,34 @@ def report_interference(console: Console, runs: list[interference.Interference])
     console.print(table)
 
 
+def report_long(console: Console, decode: dict[str, list[long_context.DecodeRatio]],
+                host: long_context.HostRatio) -> None:
+    rows, short = long_context.ROWS, long_context.SHORT
+    table = Table(title=f"one long row among {rows - 1} short ones ({short}-token pasts), decode step time against "
+                        f"{rows} short rows (median of runs taking turns)")
+    for col in ("runtime", "long row", f"{rows} short", "with the long row", "step ratio", "context-sum ratio"):
+        table.add_column(col, justify="right")
+    for runtime, results in decode.items():
+        for r in results:
+            table.add_row(runtime, f"{r.long:,}", f"{r.short_ms:.2f} ms", f"{r.mixed_ms:.2f} ms", f"{r.ratio:.2f}x",
+                          f"{r.sum_ratio:.2f}x")
+    console.print(table)
+    console.print(f"host time to build a step's inputs, {rows} decoding rows: {host.long:,}-token pasts "
+                  f"{host.long_us:.0f} µs, {host.short}-token pasts {host.short_us:.0f} µs ({host.ratio:.2f}x)")
+
+
+def report_ops(console: Console, ops: dict[str, dict[int, int]]) -> None:
+    table = Table(title="operators one decode step runs (ONNX Runtime: executed nodes, the small-step graph at "
+                        "batch 1; TorchScript: top-level aten operators)")
+    table.add_column("runtime")
+    batches = sorted(next(iter(ops.values())))
+    for batch in batches:
+        table.add_column(f"batch {batch}", justify="right")
+    for runtime, counts in ops.items():
+        table.add_row(runtime, *(str(counts[b]) for b in batches))
+    console.print(table)
+
+
 def report_host(console: Console, hosts: list[host_overhead.HostResult], model: str) -> None:
     table = Table(title=f"host vs runner time per step ({model}; {host_overhead.MAX_TOKENS} tokens per "
                         "sequence, median of 3)")
@@ -279,6 +327,7 @@ def report_host(console: Console, hosts: list[host_overhead.HostResult], model: 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only", nargs="*", choices=SECTIONS, help="run only these sections (default: all)")
     p.add_argument("--vocab-model", type=Path, help="exported model for the vocab section (default: built)")
+    p.add_argument("--long-model", type=Path, help="exported long-context model for the long section (default: built)")
     p.add_argument("--profile", type=Path, help="also cProfile the engine (top_p 0.95, batch 64) into this file")
     p.add_argument("--requests", type=int, default=192, help="items per run")
     p.add_argument("--max-num-seqs", type=int, default=64)

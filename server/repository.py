@@ -8,6 +8,7 @@ model without editing the files users deploy.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -59,4 +60,25 @@ def write_overlay(
     for version in (repository / MODEL).iterdir():
         if version.is_dir() and version.name.isdigit():
             (model_dir / version.name).symlink_to(version.resolve(), target_is_directory=True)
+    return target
+
+
+MODEL_CODE = ("model.py", "responder.py", "metrics.py")  # the Triton adapter, beside every export
+
+
+def repository_for(exported: Path, target: Path, repository: Path = DEFAULT_REPOSITORY) -> Path:
+    """A model repository serving another export (`batchstring export --out DIR`): this
+    repository's configs and model code, and a version directory linking to the exported files.
+    `batchstring serve --repository TARGET` serves it; returns `target`."""
+    model_dir = target / MODEL
+    version = model_dir / "1"
+    version.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.pbtxt").write_bytes((repository / MODEL / "config.pbtxt").read_bytes())
+    shutil.copytree(repository / MODEL / "configs", model_dir / "configs", dirs_exist_ok=True)
+    for name in MODEL_CODE:
+        shutil.copyfile(repository / MODEL / "1" / name, version / name)
+    for produced in Path(exported).iterdir():
+        link = version / produced.name
+        if produced.is_file() and not link.exists():
+            link.symlink_to(produced.resolve())
     return target

@@ -278,8 +278,9 @@ class DecoderStep(nn.Module):
         key_pos = span_index[:, None] * span + first_keys  # [P, C * bs]
         past_bias = _bias(key_pos < _take(context, pair_row)[:, None])[None, :, None, :]  # [1, P, 1, C * bs]
         scatter = pair_row[None, :, None, None].expand(kv_heads, -1, tokens.shape[1] * group_size, 1)
+        row_of_pair = (torch.ones_like(rows).cumsum(0)[:, None] - 1 == pair_row[None, :]).float()[None]  # [1, B, P]
         return PagedGroup(tokens, pair_row, self._kv_blocks(blocks, num_blocks), past_bias,
-                          _attention_bias(mask, group_size), scatter, scatter.expand(-1, -1, -1, self.head_dim))
+                          _attention_bias(mask, group_size), scatter, row_of_pair)
 
     def _kv_blocks(self, blocks: torch.Tensor, num_blocks) -> torch.Tensor:
         """[H * P * C]: layer 0's flat block index of every pair's blocks, per kv head."""
@@ -312,10 +313,12 @@ class DecoderStep(nn.Module):
         """Attention over pairs; q [H, B, Q, D] (Q = S x G queries per row and kv head), k/v [H, B, S, D].
 
         Every query of a row meets each of the row's pairs in one matrix multiply; the row's
-        softmax is assembled in float32 from the pairs' maxima and sums (a scatter-max, then
-        scatter-sums of the exponentials and of their products with the values), the new tokens'
-        own scores and products being the starting values. Everything stays [H, rows or pairs, Q,
-        ...], so no layer reshapes between the two.
+        softmax is assembled in float32 from the pairs' maxima and sums: a scatter-max over the
+        pairs' maxima, then the pairs' sums of exponentials and their products with the values
+        summed per row by one matrix multiply with the [rows, pairs] membership matrix (ONNX
+        Runtime's ScatterElements is a serial loop, ~8 ns an element; the multiply, rows x pairs
+        x Q x D, costs less than the attention it sums), the new tokens' own scores and products
+        joining them.
         """
         queries = torch.index_select(q, 1, group.pair_row)  # [H, P, Q, D]
         past_scores = torch.matmul(queries, past_k.transpose(-1, -2)).float() + group.past_bias  # [H, P, Q, C*bs]
@@ -324,10 +327,13 @@ class DecoderStep(nn.Module):
             1, group.scatter, past_scores.amax(-1, keepdim=True), reduce="amax", include_self=True)
         past_probs = torch.exp(past_scores - torch.index_select(top, 1, group.pair_row))
         new_probs = torch.exp(new_scores - top)
-        total = new_probs.sum(-1, keepdim=True).scatter_add(1, group.scatter, past_probs.sum(-1, keepdim=True))
-        out = torch.matmul(new_probs.to(v.dtype), v).float().scatter_add(
-            1, group.scatter_values, torch.matmul(past_probs.to(past_v.dtype), past_v).float())  # [H, B, Q, D]
-        return (out / total).to(v.dtype)
+        heads, rows, count, dim = q.shape
+        weighted = torch.matmul(past_probs.to(past_v.dtype), past_v).float()
+        per_pair = torch.cat((weighted, past_probs.sum(-1, keepdim=True)), dim=-1)  # [H, P, Q, D + 1]
+        per_row = torch.matmul(group.row_of_pair, per_pair.view(heads, per_pair.shape[1], count * (dim + 1)))
+        per_row = per_row.view(heads, rows, count, dim + 1)  # [H, B, Q, D + 1]
+        out = torch.matmul(new_probs.to(v.dtype), v).float() + per_row[..., :dim]
+        return (out / (new_probs.sum(-1, keepdim=True) + per_row[..., dim:])).to(v.dtype)
 
 
 class PagedGroup(NamedTuple):
@@ -340,8 +346,8 @@ class PagedGroup(NamedTuple):
     blocks: torch.Tensor  # [H * P * C] layer 0's flat block index of each pair's blocks, per kv head
     past_bias: torch.Tensor  # [1, P, 1, C * bs] float32: 0 on a past key, a large negative past the row's past
     new_bias: torch.Tensor | None = None  # [1, B, Q, S] float32: causal among the new tokens, padding masked
-    scatter: torch.Tensor | None = None  # [H, P, Q, 1] pair_row, expanded for the scatters
-    scatter_values: torch.Tensor | None = None  # [H, P, Q, D]
+    scatter: torch.Tensor | None = None  # [H, P, Q, 1] pair_row, expanded for the scatter-max
+    row_of_pair: torch.Tensor | None = None  # [1, B, P] float32: 1 where pair p is row b's
 
 
 class StepLayer(nn.Module):

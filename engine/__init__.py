@@ -8,7 +8,8 @@ what a step did to them; it owns `block_manager`, the paged KV cache's blocks an
 fails alone fails), `batch` (the step's inputs, built as arrays), `block_table` (the block table
 and how a step's attention walks it), `buckets` (decode steps of static shapes for CUDA graphs),
 `runner` (the exported step on ONNX Runtime or TorchScript), `sequence` (a request's tokens and
-cache state), `output` (its text, stop strings and responses), `sampling` (its parameters), `memory` (the cache's size), `faults`
-(test-only fault injection around the runner), `tokenizer`, `stats`, `config`, `errors`.
+cache state), `output` (its text, stop strings and responses), `sampling` (its parameters),
+`memory` (the cache's size), `faults` (test-only fault injection around the runner), `tokenizer`,
+`stats`, `config`, `errors`.
 `model_repository/llm/1/model.py` adapts the serving shell to Triton.
 """

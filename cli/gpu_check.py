@@ -413,7 +413,7 @@ def cuda_graphs(ctx: dict) -> list[str]:
     same = sum(a == b for batch in (1, 16, 64) for a, b in zip(outputs[False, batch], outputs[True, batch]))
     lines.append(f"greedy 32 tokens with graphs identical to without: {same}/81 completions (float16: a different "
                  "span per row may flip a near-tie)")
-    if same < 41:
+    if same < 73:  # 90%: a flipped near-tie changes one completion; a wrong row or bucket changes many
         raise CheckFailed(f"with CUDA graphs only {same}/81 greedy completions equal those without")
     return lines
 

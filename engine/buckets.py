@@ -9,8 +9,8 @@ past to one span of a power-of-two number of blocks (one pair per row: the step'
 rows decode token 0 at position 0 from the table's spare row with no past, and write their keys
 and values to a scratch slot that no sequence owns. Steps that do not fit (a prefill row, a
 grammar mask, logit adjustments, a long row among short ones, whose one span per row would waste
-more than it saves) run as they are. A small step's one-token rows (in the prefill group on every
-device, engine/batch.py) become the padded step's decode group.
+more than it saves, a row whose next token is not wanted) run as they are. A small step's one-token
+rows (in the prefill group on every device, engine/batch.py) become the padded step's decode group.
 
 Everything here is numpy: the padded step is checked against the unpadded one on the CPU
 (tests/test_long_context.py); the capture itself only on a GPU (`make gpu-check`).
@@ -47,6 +47,8 @@ def pad_decode(batch: StepBatch, block_size: int, scratch_slot: int) -> PaddedSt
     group = _one_token_rows(f)
     rows = len(f["input_ids"])
     if group is None or len(f["mask_rows"]) or len(f["adjust_rows"]) or rows >= ROW_BUCKETS[-1]:
+        return None
+    if len(f["logit_tokens"]) != rows:  # a row that computes without sampling (a prompt's last-but-one chunk)
         return None
     context = f[f"{group}_context"]
     longest = one_span_per_row(context, block_size)

@@ -115,10 +115,19 @@ class DeviceTable:
         if table is not self.source:
             table.journal()  # before the copy: every later write reaches the device
             table.drain()
-            self.source, self.tensor = table, torch.tensor(table.array, device=self.device)  # a copy
+            copy = torch.tensor(table.array, device=self.device)
+            if self.tensor is not None and self.tensor.shape == copy.shape:
+                self.tensor.copy_(copy)  # in place: a CUDA graph holds this tensor's address
+            else:
+                self.tensor = copy
+            self.source = table
         index, blocks = table.drain()
         if len(index):
-            self.tensor.view(-1)[torch.from_numpy(index).to(self.device)] = torch.from_numpy(blocks).to(self.device)
+            try:
+                self.tensor.view(-1)[torch.from_numpy(index).to(self.device)] = torch.from_numpy(blocks).to(self.device)
+            except BaseException:
+                self.source = None  # what was drained did not arrive: the next step copies the table whole
+                raise
         return self.tensor
 
 

@@ -328,8 +328,12 @@ class DecoderStep(nn.Module):
         past_probs = torch.exp(past_scores - torch.index_select(top, 1, group.pair_row))
         new_probs = torch.exp(new_scores - top)
         heads, rows, count, dim = q.shape
-        weighted = torch.matmul(past_probs.to(past_v.dtype), past_v).float()
-        per_pair = torch.cat((weighted, past_probs.sum(-1, keepdim=True)), dim=-1)  # [H, P, Q, D + 1]
+        sums = past_probs.sum(-1, keepdim=True)
+        if v.dtype == torch.float32:
+            weighted = torch.matmul(past_probs, past_v)
+        else:  # a pair's weights sum to up to C * bs: normalised first, or its weighted values overflow 16 bits
+            weighted = torch.matmul((past_probs / sums).to(v.dtype), past_v).float() * sums
+        per_pair = torch.cat((weighted, sums), dim=-1)  # [H, P, Q, D + 1]
         per_row = torch.matmul(group.row_of_pair, per_pair.view(heads, per_pair.shape[1], count * (dim + 1)))
         per_row = per_row.view(heads, rows, count, dim + 1)  # [H, B, Q, D + 1]
         out = torch.matmul(new_probs.to(v.dtype), v).float() + per_row[..., :dim]

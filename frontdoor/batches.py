@@ -4,10 +4,14 @@ Upload a JSONL file (`purpose=batch`), create a batch over it, poll it, download
 file. Files and batches belong to the API key that created them: another key gets 404, exactly
 as for an id that does not exist, and lists only its own. Uploads are streamed to disk under
 their own limit (the 1 MiB body limit of the inference routes does not apply), refused before
-anything is stored when their declared size is over it or the data volume lacks the room.
+anything is stored when their declared size is over it or the data volume lacks the room, then
+stored where the store keeps file contents (the data directory, or PostgreSQL, which every
+replica behind a balancer reads: any replica answers any call).
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from aiohttp import web
 
@@ -108,7 +112,14 @@ class BatchRoutes:
 
     async def content(self, request: web.Request) -> web.StreamResponse:
         found = self._file(request)
-        return web.FileResponse(self.store.path(found["id"]), headers={"Content-Type": "application/jsonl"})
+        response = web.StreamResponse(headers={"Content-Type": "application/jsonl"})
+        response.content_length = found["bytes"]
+        await response.prepare(request)
+        with self.store.open_file(found["id"]) as f:  # from a directory or the database, in parts
+            while chunk := await asyncio.to_thread(f.read, CHUNK):
+                await response.write(chunk)
+        await response.write_eof()
+        return response
 
     async def delete_file(self, request: web.Request) -> web.Response:
         found = self._file(request)

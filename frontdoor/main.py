@@ -27,9 +27,9 @@ from batchstring.client import AsyncBatchClient
 from batchstring.client.defaults import MODEL
 from batchstring.frontdoor import grpc as grpc_side
 from batchstring.frontdoor.auth import ApiKeys
-from batchstring.frontdoor.batch_runner import BatchRunner
+from batchstring.frontdoor.batch_runner import CHUNK_LINES, LEASE_SECONDS, BatchRunner
 from batchstring.frontdoor.batch_share import DEFAULT_SHARE, Admission
-from batchstring.frontdoor.batch_store import BatchStore, StoreLimits, default_data_dir
+from batchstring.frontdoor.batch_store import STORE_ENV, StoreLimits, default_data_dir, open_store, store_url
 from batchstring.frontdoor.batches import BatchRoutes
 from batchstring.frontdoor.chat import ChatTemplate
 from batchstring.frontdoor.health import Drain
@@ -66,6 +66,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="require one of these API keys (one per line) on every inference route; keys may also "
                         "come from the BATCHSTRING_API_KEYS environment variable (never from the command line)")
     batches = p.add_argument_group("the Batch API (/v1/files, /v1/batches; on with the OpenAI API)")
+    batches.add_argument("--batch-store", metavar="URL",
+                         help="where batches and their files are kept: postgresql://USER@HOST:PORT/DB, shared by every "
+                              f"replica behind one address (no password here: {STORE_ENV} carries a URL with one, or "
+                              "PGPASSWORD / ~/.pgpass the password); default: SQLite and files in --data-dir, one node")
+    batches.add_argument("--batch-lease-seconds", type=float, default=LEASE_SECONDS,
+                         help="how long a replica's claim on a chunk of a batch lasts unless renewed; a dead "
+                              "replica's chunks are taken over after it (default: %(default)s)")
+    batches.add_argument("--batch-chunk-lines", type=int, default=CHUNK_LINES,
+                         help="requests per chunk of a batch, the unit replicas claim (default: %(default)s)")
     batches.add_argument("--data-dir", type=Path, default=default_data_dir(),
                          help="where batches and their files are kept across restarts (default: %(default)s)")
     batches.add_argument("--batch-max-file-bytes", type=int, default=StoreLimits.max_file_bytes)
@@ -154,9 +163,9 @@ def _batch_api(args: argparse.Namespace, openai: OpenAIRoutes, keys: ApiKeys,
     are not batch lines, whose share of the engine the batch runner leaves them."""
     limits = StoreLimits(args.batch_max_file_bytes, args.batch_max_lines, args.batch_max_active,
                          args.batch_min_free_bytes)
-    store = BatchStore(args.data_dir, limits)
+    store = open_store(store_url(args.batch_store), args.data_dir, limits)
     admission = Admission(args.batch_interactive_share, args.batch_max_in_flight, args.triton_http, interactive)
-    runner = BatchRunner(store, openai.client, openai, admission)
+    runner = BatchRunner(store, openai.client, openai, admission, args.batch_lease_seconds, args.batch_chunk_lines)
     return BatchRoutes(store, runner, keys)
 
 

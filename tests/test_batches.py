@@ -28,7 +28,7 @@ from batchstring.engine.sampling import SamplingParams
 from batchstring.engine.sequence import Sequence
 from batchstring.frontdoor.auth import ENV
 from batchstring.frontdoor.batch_share import Admission
-from batchstring.frontdoor.batch_store import BatchStore
+from batchstring.frontdoor.batch_store import open_store
 from tests.conftest import BATCHSTRING, metric_reaches, start_server
 
 KEY_A, KEY_B = "sk-batch-a-0123456789", "sk-batch-b-0123456789"
@@ -59,7 +59,7 @@ def test_cached_blocks_are_shared_only_under_the_same_salt(first, second, shared
 
 
 def test_a_line_recorded_twice_counts_once(tmp_path):
-    store = BatchStore(tmp_path)
+    store = open_store(None, tmp_path)
     row = store.add_batch("owner", "/v1/completions", "file-x", "24h", 86400, None)
     store.record(row["id"], [(1, True, "{}"), (2, False, "{}")])
     store.record(row["id"], [(1, True, '{"again": 1}'), (3, True, "{}")])
@@ -107,7 +107,8 @@ def test_a_draining_server_starts_no_batch_line_and_waits_for_those_in_flight():
 
 @pytest.fixture(scope="module")
 def keyed(request, model_dir, tmp_path_factory):
-    """A server with two API keys and a small upload limit; its data directory outlives restarts."""
+    """A server with two API keys, a small upload limit and chunks of 50 requests (a batch of 300
+    is six, claimed one after another); its data directory outlives restarts."""
     previous = os.environ.get(ENV)
     os.environ[ENV] = f"{KEY_A},{KEY_B}"  # the front door reads its keys from its environment
     data_dir = tmp_path_factory.mktemp("batch-data")
@@ -116,7 +117,7 @@ def keyed(request, model_dir, tmp_path_factory):
     try:
         yield start_server(request, "batches", config="cpu", data_dir=data_dir,
                            front_door_options=("--batch-max-file-bytes", str(MAX_FILE_BYTES),
-                                               "--chat-template", str(template)))
+                                               "--chat-template", str(template), "--batch-chunk-lines", "50"))
     finally:
         if previous is None:
             os.environ.pop(ENV, None)

@@ -24,6 +24,7 @@ from batchstring.engine.config import INPUT_BYTES_PER_TOKEN
 from batchstring.engine.errors import InvalidRequest
 from batchstring.engine.runner import DeviceTable
 from batchstring.engine.sampling import SamplingParams
+from batchstring.export.layout import INPUT_NAMES
 from tests.conftest import BATCHSTRING, start_server
 from tests.engine_helpers import engine
 
@@ -314,4 +315,26 @@ def test_steps_that_fit_no_bucket_run_as_they_are(long_export):
     two = rows_of(eng, [20, 30], [GREEDY, GREEDY])
     two[1].seq.num_cached = 29
     assert padded([two[0], Work(two[1].seq, 2)]) is None, "a row feeding two tokens"
+    quiet = rows_of(eng, [20, 30, 40], [GREEDY] * 3)  # the middle row computes without sampling
+    assert padded([quiet[0], Work(quiet[1].seq, 1, samples=False), quiet[2]]) is None, "a row not sampled"
     assert padded(rows_of(eng, [20, 30], [GREEDY, GREEDY])).key == (4, 2)
+
+
+def test_a_16_bit_step_over_one_long_span_stays_finite(long_checkpoint):
+    """A pair's unnormalised weights sum to up to its span (here 4,096 keys, all alike): times
+    values of 100, more than float16 holds; the step normalises a pair before that product."""
+    from transformers import AutoModelForCausalLM
+
+    from batchstring.export.step import DecoderStep
+    from batchstring.export.verify import Row, pack
+
+    hf = AutoModelForCausalLM.from_pretrained(long_checkpoint, dtype=torch.float16, attn_implementation="eager")
+    step = DecoderStep(hf.eval(), [0]).eval()
+    blocks, size = 256, 16
+    keys = np.zeros((2, 2, blocks, size, 16), np.float16)
+    values = np.full_like(keys, 100.0)
+    feeds = pack([Row([5], list(range(blocks)), blocks * size)], keys, values, spans=(blocks, blocks))
+    assert feeds["decode_pairs"].shape[:2] == (1, blocks), "one pair spans the whole past"
+    with torch.no_grad():
+        outputs = step(*(torch.from_numpy(feeds[name]) for name in INPUT_NAMES))
+    assert torch.isfinite(outputs[4]).all() and torch.isfinite(outputs[5]).all()

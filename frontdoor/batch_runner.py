@@ -77,10 +77,9 @@ def parse_line(routes: OpenAIRoutes, endpoint: str, number: int, raw: bytes) -> 
     return Line(Item(number, custom_id, request.prompts[0], request.options), chat)
 
 
-def read_lines(f, first: int = 1) -> Iterator[tuple[int, int, bytes]]:
-    """(line number, byte offset, bytes) of each non-blank line of an open binary file, numbering
-    from `first` at its current position."""
-    offset = f.tell()
+def read_lines(f, first: int = 1, offset: int = 0) -> Iterator[tuple[int, int, bytes]]:
+    """(line number, byte offset, bytes) of each non-blank line of an open binary file, read from
+    its current position, which is line `first` at byte `offset`."""
     for number, raw in enumerate(f, start=first):
         if raw.strip():
             yield number, offset, raw
@@ -243,7 +242,7 @@ class BatchRunner:
         """The chunk's requests not answered yet (reading the input file from the chunk's start)."""
         lines = []
         with self.store.open_file(row["input_file_id"], chunk.start_offset) as f:
-            for count, (number, _, raw) in enumerate(read_lines(f, chunk.first_line)):
+            for count, (number, _, raw) in enumerate(read_lines(f, chunk.first_line, chunk.start_offset)):
                 if count == chunk.lines:
                     break
                 if number not in answered:

@@ -39,6 +39,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                      "route; or set BATCHSTRING_API_KEYS in the environment")
     p.add_argument("--data-dir", type=Path, default=default_data_dir(),
                    help="where the Batch API keeps its files and batches across restarts (default: %(default)s)")
+    p.add_argument("--batch-store", metavar="URL",
+                   help="keep the Batch API's batches and files in this PostgreSQL database "
+                        "(postgresql://USER@HOST:PORT/DB, shared by replicas behind one address; the password in "
+                        "PGPASSWORD or ~/.pgpass, or the whole URL in BATCHSTRING_BATCH_STORE); default: SQLite "
+                        "in --data-dir")
     p.add_argument("--no-supervise", action="store_true", help="do not restart a dead model")
     p.add_argument("--drain-seconds", type=float, default=DRAIN_SECONDS,
                    help="on Ctrl-C/SIGTERM: readiness goes off and new requests are refused (retryable) at once; "
@@ -59,7 +64,7 @@ def parse_params(items: list[str]) -> dict[str, str]:
 def front_door_options(args: argparse.Namespace) -> tuple[str, ...]:
     options = ["--no-openai"] if args.no_openai else []
     for flag, value in (("--served-model-name", args.served_model_name), ("--chat-template", args.chat_template),
-                        ("--api-key-file", args.api_key_file)):
+                        ("--api-key-file", args.api_key_file), ("--batch-store", args.batch_store)):
         if value is not None:
             options += [flag, str(Path(value).resolve()) if isinstance(value, Path) else value]
     return tuple(options)

@@ -52,16 +52,18 @@ def test_dockerfile_passes_hadolint():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_compose_file_is_valid_compose_spec():
-    result = run_tool("check-jsonschema", "--builtin-schema", "vendor.compose-spec", str(DOCKER / "compose.yaml"))
+@pytest.mark.parametrize("name", ["compose.yaml", "compose.replicas.yaml"])
+def test_compose_file_is_valid_compose_spec(name):
+    result = run_tool("check-jsonschema", "--builtin-schema", "vendor.compose-spec", str(DOCKER / name))
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_compose_binds_loopback_reserves_a_gpu_and_checks_model_readiness():
+    for file in ("compose.yaml", "compose.replicas.yaml"):
+        for name, service in yaml.safe_load((DOCKER / file).read_text())["services"].items():
+            for port in service.get("ports", []):
+                assert port.startswith("127.0.0.1:"), f"{file}: {name} publishes {port} beyond loopback"
     compose = yaml.safe_load((DOCKER / "compose.yaml").read_text())
-    for name, service in compose["services"].items():
-        for port in service.get("ports", []):
-            assert port.startswith("127.0.0.1:"), f"{name} publishes {port} beyond loopback"
     triton = compose["services"]["triton"]
     assert triton["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
     assert "/v2/models/llm/ready" in " ".join(triton["healthcheck"]["test"])
@@ -97,9 +99,15 @@ def test_compose_stop_grace_period_covers_the_drain():
     assert grace >= grace_for_the_drain(triton["environment"])
 
 
+def manifests() -> dict[tuple[str, str], dict]:
+    """Every Kubernetes object of docker/k8s, by (kind, name)."""
+    return {(d["kind"], d["metadata"]["name"]): d for p in (DOCKER / "k8s").glob("*.yaml")
+            for d in yaml.safe_load_all(p.read_text()) if d}
+
+
 def test_kubernetes_pods_are_locked_down_and_can_be_drained():
-    docs = {d["kind"]: d for p in (DOCKER / "k8s").glob("*.yaml") for d in yaml.safe_load_all(p.read_text()) if d}
-    pod = docs["StatefulSet"]["spec"]["template"]["spec"]
+    docs = {kind: d for (kind, name), d in manifests().items() if name == "batchstring"}
+    pod = docs["Deployment"]["spec"]["template"]["spec"]
     container = pod["containers"][0]
     assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
@@ -107,23 +115,38 @@ def test_kubernetes_pods_are_locked_down_and_can_be_drained():
     assert {"/tmp", "/dev/shm"} <= mounts, "writable emptyDirs where the server writes"
     policy = docs["NetworkPolicy"]["spec"]
     assert sorted(p["port"] for rule in policy["ingress"] for p in rule["ports"]) == [8000, 8001, 8002]
-    assert policy["egress"] == []
+    reached = {(next(iter(rule["to"][0]["podSelector"]["matchLabels"].values())), p["port"])
+               for rule in policy["egress"] for p in rule["ports"]}
+    assert reached == {("batchstring-postgres", 5432), ("kube-dns", 53)}, "out of the pod: its store and DNS only"
     pdb, hpa = docs["PodDisruptionBudget"]["spec"], docs["HorizontalPodAutoscaler"]["spec"]
     drainable = pdb.get("maxUnavailable", 0) >= 1 or hpa["minReplicas"] > pdb.get("minAvailable", 0)
     assert drainable and hpa["minReplicas"] >= 2, "a node drain must be able to evict a pod while one keeps serving"
-    assert hpa["scaleTargetRef"]["kind"] == "StatefulSet"
+    assert hpa["scaleTargetRef"]["kind"] == "Deployment"
 
 
-def test_each_pod_keeps_its_batch_store_through_restarts_and_rolling_updates():
-    docs = {d["kind"]: d for p in (DOCKER / "k8s").glob("*.yaml") for d in yaml.safe_load_all(p.read_text()) if d}
-    spec = docs["StatefulSet"]["spec"]
-    claims = {c["metadata"]["name"] for c in spec["volumeClaimTemplates"]}
+def test_pods_are_stateless_and_share_one_batch_store_from_a_secret():
+    docs = manifests()
+    spec = docs["Deployment", "batchstring"]["spec"]
     container = spec["template"]["spec"]["containers"][0]
-    store = next(m for m in container["volumeMounts"] if m["mountPath"] == "/data")
-    assert store["name"] in claims, "the store is a claim of the pod's own, not an emptyDir or an ephemeral volume"
-    assert spec["persistentVolumeClaimRetentionPolicy"]["whenScaled"] == "Retain"
-    env = {e["name"]: e.get("value") for e in container.get("env", [])}
-    assert env.get("BATCHSTRING_DATA_DIR", "/data") == "/data"
+    env = {e["name"]: e for e in container["env"]}
+    assert env["BATCHSTRING_BATCH_STORE"]["valueFrom"]["secretKeyRef"]["name"] == "batchstring-batch-store", \
+        "the store's URL (with its password) from a Secret, never a literal in the manifest"
+    volumes = {v["name"]: v for v in spec["template"]["spec"]["volumes"]}
+    data = next(m for m in container["volumeMounts"] if m["mountPath"] == "/data")
+    assert "emptyDir" in volumes[data["name"]], "a pod's disk is scratch: batches and files live in the store"
+    database = docs["StatefulSet", "batchstring-postgres"]["spec"]
+    assert database["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"]
+    password = {e["name"]: e for e in database["template"]["spec"]["containers"][0]["env"]}["POSTGRES_PASSWORD"]
+    assert password["valueFrom"]["secretKeyRef"]["name"] == "batchstring-postgres"
+    ingress = docs["NetworkPolicy", "batchstring-postgres"]["spec"]["ingress"]
+    assert ingress[0]["from"][0]["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "batchstring"}
+    replicas = yaml.safe_load((DOCKER / "compose.replicas.yaml").read_text())
+    servers = [s for s in replicas["services"].values() if "BATCHSTRING_BATCH_STORE" in s.get("environment", {})]
+    assert len(servers) == 2 and all("@" in s["environment"]["BATCHSTRING_BATCH_STORE"] and ":" not in
+                                     s["environment"]["BATCHSTRING_BATCH_STORE"].split("//")[1].split("@")[0]
+                                     for s in servers), "no password in the compose file: PGPASSFILE, a secret"
+    single = yaml.safe_load((DOCKER / "compose.yaml").read_text())["services"]["triton"]["environment"]
+    assert "BATCHSTRING_BATCH_STORE" not in single, "one machine keeps the SQLite store by default"
 
 
 def test_gpu_config_is_the_cpu_config_but_for_the_instance_kind_and_a_memory_sized_cache():

@@ -36,6 +36,8 @@ COMMANDS = {
     "structured-bench": ("batchstring.loadtest.structured_bench", "add_arguments", "run",
                          "constrained decoding's cost: JSON-schema traffic beside the same unconstrained, and new "
                          "schemas arriving while others decode"),
+    "replica-bench": ("batchstring.loadtest.replica_bench", "add_arguments", "run",
+                      "one large Batch API batch on two replicas sharing PostgreSQL, against one replica"),
     "soak": ("batchstring.loadtest.soak", "add_arguments", "run",
              "minutes of load with model kills and injected OOM; audits every item"),
     "peer-bench": ("batchstring.loadtest.peer_bench", "add_arguments", "run",

@@ -59,12 +59,22 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 class Request:
     """One completion or chat request, validated: prompts and the client's sampling options."""
 
-    prompts: list[str]
+    prompts: list[str]  # each prompt n times in a row (n choices)
     options: dict
     stream: bool
     include_usage: bool
     echo: bool
     chat: bool
+    n: int = 1
+
+    def options_for(self, index: int) -> dict:
+        """Completion `index`'s options: with a seed, choice j of a prompt samples from seed + j (as
+        vLLM derives its n sequences' generators), so that n seeded choices differ from each other
+        and repeat exactly on every run; choice 0 is the same request with n = 1."""
+        choice = index % self.n
+        if not choice or self.options.get("seed") is None:
+            return self.options
+        return {**self.options, "seed": self.options["seed"] + choice}
 
 
 class OpenAIRoutes:
@@ -99,8 +109,7 @@ class OpenAIRoutes:
             parsed.options["cache_salt"] = cache_salt(owner(request, self.keys), parsed.options["cache_salt"])
             if parsed.stream:
                 return await self._stream(request, parsed)
-            results = await self.client.complete(parsed.prompts, **parsed.options, return_exceptions=True)
-            return web.json_response(self._body(parsed, results))
+            return web.json_response(self._body(parsed, await _complete(self.client, parsed)))
         except ApiError as exc:
             return exc.response()
         except InvalidArgument as exc:  # text the client refuses to send (lone surrogates)
@@ -134,7 +143,7 @@ class OpenAIRoutes:
             raise ApiError(400, f"stream must be true or false; got {stream!r}", "stream")
         usage = (body.get("stream_options") or {}).get("include_usage", False)
         echo = bool(body.get("echo", False)) and not chat
-        return Request(prompts, options, stream, bool(usage), echo, chat)
+        return Request(prompts, options, stream, bool(usage), echo, chat, n)
 
     def _chat_prompt(self, messages) -> str:
         if self.chat is None:
@@ -195,6 +204,14 @@ class OpenAIRoutes:
         return {"index": index, "text": piece.text, "logprobs": lp, "finish_reason": reason}
 
 
+async def _complete(client: AsyncBatchClient, req: Request) -> list[Completion | BaseException]:
+    """Every completion, in order: one call per choice index (their seeds differ), all at once."""
+    calls = [client.complete(req.prompts[j :: req.n], **req.options_for(j), return_exceptions=True)
+             for j in range(req.n)]
+    by_choice = await asyncio.gather(*calls)
+    return [by_choice[i % req.n][i // req.n] for i in range(len(req.prompts))]
+
+
 async def _merged(client: AsyncBatchClient, req: Request) -> AsyncIterator[tuple[int, Piece | BaseException]]:
     """Every prompt's pieces as they come, tagged with its index; an error ends that prompt."""
     queue: asyncio.Queue = asyncio.Queue()
@@ -203,7 +220,7 @@ async def _merged(client: AsyncBatchClient, req: Request) -> AsyncIterator[tuple
         try:
             if req.echo:
                 await queue.put((index, Piece("", text=prompt)))
-            async for piece in client.stream_pieces(prompt, **req.options):
+            async for piece in client.stream_pieces(prompt, **req.options_for(index)):
                 await queue.put((index, piece))
         except Exception as exc:  # reported to the caller as an error event
             await queue.put((index, exc))

@@ -149,3 +149,15 @@ def test_two_stores_on_one_database_lease_each_chunk_to_one_and_end_a_batch_once
         assert f.read().decode().splitlines() == ['"a"', '"a"', '"b"']
     assert first.record(batch["id"], [(5, True, "{}")]) == 0, "an ended batch takes no answer"
     assert Path(tmp_path / "a" / "files").exists() is False, "contents live in the database, not on a replica"
+
+
+def test_a_store_url_with_a_password_stays_off_the_command_line(monkeypatch):
+    from batchstring.frontdoor.batch_store import STORE_ENV, store_url
+
+    with pytest.raises(SystemExit, match=f"carries a password.*{STORE_ENV}"):
+        store_url("postgresql://batchstring:hunter2@db:5432/batchstring")
+    assert store_url("postgresql://batchstring@db:5432/batchstring") == "postgresql://batchstring@db:5432/batchstring"
+    monkeypatch.setenv(STORE_ENV, "postgresql://batchstring:from-a-secret@db/batchstring")
+    assert store_url(None).endswith("from-a-secret@db/batchstring"), "the environment may carry one"
+    monkeypatch.delenv(STORE_ENV)
+    assert store_url(None) is None, "no URL: SQLite in the data directory"

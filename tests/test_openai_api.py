@@ -211,3 +211,38 @@ def test_chat_messages_of_the_wrong_shape_get_a_400(keyed):
                            ([{"role": "user", "content": [{"type": "image_url"}]}], "text only")):
         with pytest.raises(openai.BadRequestError, match=says):
             sdk.chat.completions.create(model="llm", messages=messages, max_tokens=2)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_seeded_n_gives_distinct_choices_that_repeat_on_every_run(sdk, keyed, stream):
+    """Choice j of a prompt samples from seed + j: n different samples, the same ones each run, on
+    every route that takes n (chat on the front door with a chat template); without a seed they
+    still differ."""
+    chat_sdk = openai.OpenAI(base_url=f"{keyed[0]}/v1", api_key=KEY, max_retries=0)
+
+    def texts(**body) -> list[list[str]]:
+        chat = body.pop("chat", False)
+        if chat:
+            calls = chat_sdk.chat.completions.create(model="llm", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=12, temperature=1.0, stream=stream, **body)
+        else:
+            calls = sdk.completions.create(model="llm", max_tokens=12, temperature=1.0, stream=stream, **body)
+        chunks = list(calls) if stream else [calls]
+        by_index: dict[int, str] = {}
+        for chunk in chunks:
+            for choice in chunk.choices:
+                piece = (choice.delta.content if stream else choice.message.content) if chat else choice.text
+                by_index[choice.index] = by_index.get(choice.index, "") + (piece or "")
+        return [by_index[i] for i in sorted(by_index)]
+
+    for seed in (7, 123):
+        first = texts(prompt="def shuffle(items):\n    ", n=4, seed=seed)
+        assert len(set(first)) == 4, f"seed {seed}: 4 distinct samples, not copies: {first}"
+        assert texts(prompt="def shuffle(items):\n    ", n=4, seed=seed) == first, "the same 4 on a second run"
+        assert texts(prompt="def shuffle(items):\n    ", n=1, seed=seed) == first[:1], "choice 0 is the n = 1 request"
+    two = texts(prompt=["a = ", "def b():\n    "], n=2, seed=3)
+    assert len(two) == 4 and two[0] != two[1] and two[2] != two[3]
+    assert texts(prompt=["a = ", "def b():\n    "], n=2, seed=3) == two
+    chat = texts(chat=True, n=3, seed=11)
+    assert len(set(chat)) == 3 and texts(chat=True, n=3, seed=11) == chat
+    assert len(set(texts(prompt="def shuffle(items):\n    ", n=4))) > 1, "unseeded choices differ too"

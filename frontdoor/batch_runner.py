@@ -250,18 +250,23 @@ class BatchRunner:
         return lines
 
     def _chunk_ended(self, chunk: Chunk, task: asyncio.Task) -> None:
-        """Done: the chunk is marked so. Stopped: its lease is given up at once. Broke (a line that
-        no longer parses, a store error): the batch fails, saying why, on every replica, and the
-        lease is given up too."""
+        """Done: the chunk is marked so. Stopped: its lease is given up at once. Broke on its input
+        (a line that no longer parses): the batch fails, saying why, on every replica. Broke on
+        anything else (the store out of reach): the lease is given up, and the chunk runs again
+        later, here or elsewhere, skipping what was recorded."""
         if self.running.get((chunk.batch_id, chunk.chunk)) is task:
             del self.running[chunk.batch_id, chunk.chunk]
+        error = None if task.cancelled() else task.exception()
         with contextlib.suppress(Exception):  # the store may be what broke: the lease then lapses
-            if not task.cancelled() and task.exception() is None:
-                self.store.chunk_done(chunk, self.me)
-            else:
-                if not task.cancelled():
-                    self._fail(chunk.batch_id, task.exception())
+            if task.cancelled() or error is not None:
+                if isinstance(error, Malformed):
+                    self._fail(chunk.batch_id, error)
+                elif error is not None:
+                    print(f"frontdoor: chunk {chunk.chunk} of {chunk.batch_id} stopped: {type(error).__name__}: "
+                          f"{error}; it runs again later", file=sys.stderr, flush=True)
                 self.store.release(self.me, chunk)
+            else:
+                self.store.chunk_done(chunk, self.me)
         self.launch()
 
     def _fail(self, batch_id: str, error: BaseException) -> None:

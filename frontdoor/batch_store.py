@@ -113,9 +113,27 @@ def _new_id(prefix: str) -> str:
 # ----- the two databases ---------------------------------------------------------------------------
 
 
+class Result:
+    """A statement's rows, all fetched while the connection's lock was held: SQLite refuses to
+    commit while another thread is still stepping through a statement's rows."""
+
+    def __init__(self, rows: list, rowcount: int) -> None:
+        self.rows, self.rowcount = rows, rowcount
+
+    def fetchone(self):
+        return self.rows[0] if self.rows else None
+
+    def fetchall(self) -> list:
+        return self.rows
+
+    def __iter__(self):
+        return iter(self.rows)
+
+
 class Database:
     """One connection, shared by the event loop and worker threads under a lock; SQL written with
-    `?` placeholders. `shared`: other replicas use it too (leases matter)."""
+    `?` placeholders; every statement's rows fetched before the lock is let go. `shared`: other
+    replicas use it too (leases matter)."""
 
     shared = False
     skip_locked = ""  # the claim queries' row locking, where the database has it
@@ -123,7 +141,7 @@ class Database:
     def __init__(self) -> None:
         self.lock = threading.RLock()
 
-    def execute(self, sql: str, args: tuple = ()):
+    def execute(self, sql: str, args: tuple = ()) -> Result:
         raise NotImplementedError
 
     @contextlib.contextmanager
@@ -150,9 +168,10 @@ class SQLiteDatabase(Database):
             if name not in columns:
                 self.connection.execute(f"ALTER TABLE batches ADD COLUMN {name} {kind}")
 
-    def execute(self, sql: str, args: tuple = ()):
+    def execute(self, sql: str, args: tuple = ()) -> Result:
         with self.lock:
-            return self.connection.execute(sql, args)
+            cursor = self.connection.execute(sql, args)
+            return Result(cursor.fetchall(), cursor.rowcount)
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[Database]:
@@ -160,10 +179,11 @@ class SQLiteDatabase(Database):
             self.connection.execute("BEGIN IMMEDIATE")
             try:
                 yield self
+                self.connection.execute("COMMIT")
             except BaseException:
-                self.connection.execute("ROLLBACK")
+                if self.connection.in_transaction:
+                    self.connection.execute("ROLLBACK")
                 raise
-            self.connection.execute("COMMIT")
 
     def next_seq(self) -> int:
         return self.execute("SELECT COALESCE(MAX(seq), 0) + 1 AS seq FROM batches").fetchone()["seq"]
@@ -194,15 +214,16 @@ class PostgresDatabase(Database):
     def _connect(self):
         return self.psycopg.connect(self.url, autocommit=True, row_factory=self.row_factory)
 
-    def execute(self, sql: str, args: tuple = ()):
+    def execute(self, sql: str, args: tuple = ()) -> Result:
         with self.lock:
             try:
-                return self.connection.execute(sql.replace("?", "%s"), args)
+                cursor = self.connection.execute(sql.replace("?", "%s"), args)
             except self.psycopg.OperationalError:
                 if self._in_transaction or not self.connection.closed:
                     raise
                 self.connection = self._connect()  # the server restarted: once more on a new connection
-                return self.connection.execute(sql.replace("?", "%s"), args)
+                cursor = self.connection.execute(sql.replace("?", "%s"), args)
+            return Result(cursor.fetchall() if cursor.description else [], cursor.rowcount)
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[Database]:

@@ -161,3 +161,17 @@ def test_a_store_url_with_a_password_stays_off_the_command_line(monkeypatch):
     assert store_url(None).endswith("from-a-secret@db/batchstring"), "the environment may carry one"
     monkeypatch.delenv(STORE_ENV)
     assert store_url(None) is None, "no URL: SQLite in the data directory"
+
+
+def test_a_replica_stopped_in_order_hands_its_chunks_over_at_once(postgres, tmp_path):
+    first, second = (open_store(postgres.url, tmp_path / name) for name in ("a", "b"))
+    source = tmp_path / "input.jsonl"
+    source.write_bytes(_lines(_prompts(4), 2))
+    batch = first.add_batch("tenant", "/v1/completions", first.add_file("tenant", "in.jsonl", "batch", source)["id"],
+                            "24h", 86400, None)
+    assert first.claim_validation("A", 60)["id"] == batch["id"]
+    assert first.start(batch["id"], "A", 4, [(1, 0, 2), (3, 200, 2)])
+    held = first.claim_chunk("A", 60)
+    assert second.claim_chunk("B", 60).chunk != held.chunk and second.claim_chunk("B", 60) is None
+    first.release("A")  # what a SIGTERM, a scale-down or a rolling update does through BatchRunner.close
+    assert second.claim_chunk("B", 60) == held, "taken over at once, not after the 60 s lease"

@@ -332,7 +332,8 @@ class DecoderStep(nn.Module):
         if v.dtype == torch.float32:
             weighted = torch.matmul(past_probs, past_v)
         else:  # a pair's weights sum to up to C * bs: normalised first, or its weighted values overflow 16 bits
-            weighted = torch.matmul((past_probs / sums).to(v.dtype), past_v).float() * sums
+            # (a row without a past has one pair of masked keys, whose weights sum to 0)
+            weighted = torch.matmul((past_probs / sums.clamp(min=1e-30)).to(v.dtype), past_v).float() * sums
         per_pair = torch.cat((weighted, sums), dim=-1)  # [H, P, Q, D + 1]
         per_row = torch.matmul(group.row_of_pair, per_pair.view(heads, per_pair.shape[1], count * (dim + 1)))
         per_row = per_row.view(heads, rows, count, dim + 1)  # [H, B, Q, D + 1]

@@ -1,20 +1,24 @@
-"""`batchstring structured-bench`: what constrained decoding costs, side by side in one run.
+"""`batchstring structured-bench`: what constrained decoding costs, measured in separate runs.
 
 The engine in process, behind its serving shell (engine/serving.py), as model.py drives it:
 requests are made (tokenised and, for structured ones, their grammar compiled) on the caller's
-thread and submitted; the engine thread only steps. Two measurements, each against its own
-unconstrained twin in the same run:
+thread and submitted; the engine thread only steps. Two measurements:
 
-- throughput: `--concurrency` requests kept in flight (a finished one is replaced at once) for
-  `--seconds`, the same prompts and sampling, with and without a JSON schema (a few schemas,
-  compiled once and then cached). Output tokens per second; the ratio is the cost of the masks.
+- throughput: at each of `--callers` (1, 16, 64) and for greedy and sampled requests, three kinds
+  of traffic in runs of their own, taking turns (`--rounds` rounds, each round in a new order):
+  every request free, every request constrained by a JSON schema (a few schemas, compiled once and
+  then cached), and half of each (mixed). `callers` requests kept in flight (a finished one is
+  replaced at once) for `--seconds`. Output tokens/s, requests/s, mean step time and the host's
+  share of it (the step's wall time less the runner's). A constrained row never shares a step with
+  a free twin here: a step's time is paid by every row in it, so a side-by-side run could not show
+  what constraining costs.
 - arrival: `--concurrency` requests decoding, then as many new requests arrive at once; with new,
   distinct JSON schemas (each compiled on arrival) or without. The p99 step time of the steps
   while they join and run; the ratio is what new grammars cost the requests already running.
 
-A JSON completion ends when its schema is complete, so each unconstrained twin generates exactly
-as many tokens as its constrained run did (max_tokens set to that count, end of sequence
-ignored): both sides do the same model work and differ only by the grammar.
+A JSON completion ends when its schema is complete, so each free request generates exactly as
+many tokens as the constrained run's requests did on average (max_tokens set to it, end of
+sequence ignored): both kinds do the same model work and differ only by the grammar.
 """
 
 from __future__ import annotations
@@ -52,9 +56,17 @@ class Driven:
     tokens: int
     seconds: float
     step_seconds: list[float]
+    requests: int = 0
+    runner_seconds: float = 0.0
 
     def add(self, other: Driven) -> Driven:
-        return Driven(self.tokens + other.tokens, self.seconds + other.seconds, self.step_seconds + other.step_seconds)
+        return Driven(self.tokens + other.tokens, self.seconds + other.seconds, self.step_seconds + other.step_seconds,
+                      self.requests + other.requests, self.runner_seconds + other.runner_seconds)
+
+    @property
+    def host_share(self) -> float:
+        total = sum(self.step_seconds)
+        return 1.0 - self.runner_seconds / total if total else float("nan")
 
 
 class Bench:
@@ -96,6 +108,8 @@ class Bench:
         """`concurrency` of `items` in flight for `seconds`, in order; tokens of finished requests."""
         done, lengths = threading.Semaphore(0), {}
         self.tokens, self.steps = 0, []
+        stats = self.engine.core.stats
+        runner = stats.runner_seconds
         began = time.perf_counter()
         for k in range(concurrency):
             self.submit(*items[k], done, lengths, k)
@@ -105,10 +119,11 @@ class Bench:
                 self.submit(*items[k], done, lengths, k)
                 k += 1
         elapsed = time.perf_counter() - began
-        tokens = self.tokens
+        tokens, finished, steps = self.tokens, len(lengths), [s for _, s in self.steps]
+        runner = stats.runner_seconds - runner
         for _ in range(concurrency):  # drain what is in flight before the next measurement
             done.acquire()
-        return Driven(tokens, elapsed, [s for _, s in self.steps]), lengths
+        return Driven(tokens, elapsed, steps, finished, runner), lengths
 
     def arrival(self, prompts: list[str], running: SamplingParams, arriving: list[SamplingParams],
                 settle_steps: int) -> tuple[list[float], dict[int, int]]:
@@ -137,8 +152,45 @@ def p99(values: list[float]) -> float:
     return float(np.percentile(values, 99)) if values else float("nan")
 
 
+KINDS = ("free", "constrained", "mixed")
+
+
+def _request(kind: str, k: int, free: SamplingParams, schemas: list[SamplingParams]) -> SamplingParams:
+    """Request k of a run of `kind`: free, constrained by one of the schemas, or every other one."""
+    constrained = kind == "constrained" or (kind == "mixed" and k % 2)
+    return schemas[k % len(schemas)] if constrained else free
+
+
+def throughput(bench: Bench, prompts: list[str], args: argparse.Namespace, console: Console) -> list[dict]:
+    """Every (sampling, callers) cell: the three kinds of traffic in runs of their own, taking turns."""
+    count = 4096  # more than any run can finish
+    rows = []
+    for temperature in (0.0, args.temperature):
+        rate = lambda **v: parse_sampling_parameters(json.dumps(v), 512, 16)  # noqa: E731
+        schemas = [rate(max_tokens=args.max_tokens, temperature=temperature, json_schema=schema(i)) for i in range(4)]
+        # as many tokens as a constrained request makes on average (measured once, at 16 callers)
+        probe, _ = bench.closed_loop([(prompts[k % len(prompts)], schemas[k % 4]) for k in range(count)],
+                                           16, args.seconds / 2)
+        mean = max(1, round(probe.tokens / max(1, probe.requests)))
+        free = rate(max_tokens=mean, temperature=temperature, ignore_eos=True)
+        for callers in args.callers:
+            driven = {kind: Driven(0, 0.0, []) for kind in KINDS}
+            for r in range(args.rounds):
+                for kind in KINDS[r % 3:] + KINDS[: r % 3]:
+                    items = [(prompts[k % len(prompts)], _request(kind, k, free, schemas)) for k in range(count)]
+                    one, _ = bench.closed_loop(items, callers, args.seconds)
+                    driven[kind] = driven[kind].add(one)
+            label = "greedy" if temperature == 0 else f"temperature {temperature:g}"
+            console.print(f"{label}, {callers} callers: done")
+            rows.append({"sampling": label, "callers": callers, "tokens_per_request": mean,
+                         **{kind: {"tokens_per_s": d.tokens / d.seconds, "requests_per_s": d.requests / d.seconds,
+                                   "step_ms": float(np.mean(d.step_seconds)) * 1e3, "host_share": d.host_share}
+                            for kind, d in driven.items()}})
+    return rows
+
+
 def run(args: argparse.Namespace) -> int:
-    console = Console()
+    console = Console(width=140)
     prompts = [item.prompt for item in mixed(256, seed=3)]
     rate = lambda **v: parse_sampling_parameters(json.dumps(v), 512, 16)  # noqa: E731
 
@@ -148,25 +200,11 @@ def run(args: argparse.Namespace) -> int:
         done = lengths.get(k) or seen[k % len(seen)]
         return rate(max_tokens=max(1, done), temperature=args.temperature, ignore_eos=True)
 
-    structured = [rate(max_tokens=args.max_tokens, temperature=args.temperature, json_schema=schema(i))
-                  for i in range(4)]
-    bench = Bench(args.model_dir, 2 * args.concurrency)
-    count = 4096  # more than any run can finish
+    bench = Bench(args.model_dir, max(2 * args.concurrency, *args.callers))
     try:
-        console.print(f"throughput at concurrency {args.concurrency}: {args.rounds} rounds of {args.seconds:g} s "
-                      "each, in turn first (a shared machine drifts)...")
-        constrained, free, lengths = Driven(0, 0.0, []), Driven(0, 0.0, []), {}
-        for r in range(args.rounds):  # the twins use the previous constrained run's lengths, so either goes first
-            runs = ["constrained", "free"] if r % 2 == 0 else ["free", "constrained"]
-            for run_kind in runs:
-                if run_kind == "constrained":
-                    one, lengths = bench.closed_loop([(prompts[k % len(prompts)], structured[k % len(structured)])
-                                                      for k in range(count)], args.concurrency, args.seconds)
-                    constrained = constrained.add(one)
-                else:
-                    other, _ = bench.closed_loop([(prompts[k % len(prompts)], twin(lengths, k))
-                                                  for k in range(count)], args.concurrency, args.seconds)
-                    free = free.add(other)
+        console.print(f"throughput: free, constrained and mixed traffic in runs of their own, {args.rounds} rounds "
+                      f"of {args.seconds:g} s, at {', '.join(map(str, args.callers))} callers, greedy and sampled...")
+        cells = throughput(bench, prompts, args, console)
         console.print(f"{args.concurrency} new requests arriving at once while {args.concurrency} decode...")
         long = rate(max_tokens=args.max_tokens * 4, temperature=args.temperature, ignore_eos=True)
         new_schemas = [rate(max_tokens=args.max_tokens, temperature=args.temperature,
@@ -177,22 +215,25 @@ def run(args: argparse.Namespace) -> int:
         base, _ = bench.arrival(prompts, long, [twin(arrived, i) for i in range(args.concurrency)], settle_steps=5)
     finally:
         bench.stop()
-    table = Table(title="structured output: cost, side by side (one run)")
-    for col in ("measurement", "unconstrained", "JSON schema", "ratio", "target"):
+    table = Table(title=f"structured output: JSON-schema traffic against free traffic of as many tokens a request, "
+                        f"separate runs taking turns ({args.rounds} rounds of {args.seconds:g} s)")
+    for col in ("sampling", "callers", "free tok/s", "constrained", "ratio", "mixed", "ratio", "req/s free / constr.",
+                "step ms free / constr.", "host share free / constr."):
         table.add_column(col, justify="right")
-    free_rate, constrained_rate = free.tokens / free.seconds, constrained.tokens / constrained.seconds
-    table.add_row(f"output tokens/s, concurrency {args.concurrency}", f"{free_rate:.0f}", f"{constrained_rate:.0f}",
-                  f"{constrained_rate / free_rate:.2f}x", ">= 0.80x")
-    table.add_row(f"p99 step ms, {args.concurrency} arrive ({compiled} new schemas)", f"{p99(base) * 1e3:.1f}",
-                  f"{p99(fresh) * 1e3:.1f}", f"{p99(fresh) / p99(base):.2f}x", "<= 1.20x")
-    table.add_row("mean step ms (throughput runs)", f"{np.mean(free.step_seconds) * 1e3:.1f}",
-                  f"{np.mean(constrained.step_seconds) * 1e3:.1f}",
-                  f"{np.mean(constrained.step_seconds) / np.mean(free.step_seconds):.2f}x", "")
+    for c in cells:
+        f, k, m = c["free"], c["constrained"], c["mixed"]
+        table.add_row(c["sampling"], str(c["callers"]), f"{f['tokens_per_s']:.0f}", f"{k['tokens_per_s']:.0f}",
+                      f"{k['tokens_per_s'] / f['tokens_per_s']:.2f}x", f"{m['tokens_per_s']:.0f}",
+                      f"{m['tokens_per_s'] / f['tokens_per_s']:.2f}x",
+                      f"{f['requests_per_s']:.1f} / {k['requests_per_s']:.1f}",
+                      f"{f['step_ms']:.2f} / {k['step_ms']:.2f}", f"{f['host_share']:.0%} / {k['host_share']:.0%}")
     console.print(table)
+    console.print(f"p99 step time while {args.concurrency} requests arrive at once, {compiled} with new schemas: "
+                  f"{p99(fresh) * 1e3:.1f} ms against {p99(base) * 1e3:.1f} ms without ({p99(fresh) / p99(base):.2f}x)")
     if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({
-            "concurrency": args.concurrency,
-            "tokens_per_s": {"unconstrained": free_rate, "json_schema": constrained_rate},
+            "throughput": cells,
             "p99_step_s": {"unconstrained_arrivals": p99(base), "new_schema_arrivals": p99(fresh)},
             "new_schemas_compiled": compiled}, indent=2) + "\n")
     return 0
@@ -200,9 +241,10 @@ def run(args: argparse.Namespace) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-dir", type=Path, default=MODEL_VERSION_DIR)
-    p.add_argument("--concurrency", type=int, default=64)
-    p.add_argument("--seconds", type=float, default=20.0, help="length of each throughput measurement")
-    p.add_argument("--rounds", type=int, default=2, help="constrained / unconstrained pairs, each order in turn")
+    p.add_argument("--concurrency", type=int, default=64, help="requests decoding while new schemas arrive")
+    p.add_argument("--callers", type=int, nargs="+", default=[1, 16, 64], help="requests in flight, per cell")
+    p.add_argument("--seconds", type=float, default=8.0, help="length of each throughput run")
+    p.add_argument("--rounds", type=int, default=2, help="rounds of the three kinds, each round in another order")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--out", type=Path, help="write the numbers as JSON here")

@@ -59,19 +59,38 @@ class SamplingHead(nn.Module):
 
     def forward(self, logits: torch.Tensor, ban_rows: torch.Tensor, sample_rows: torch.Tensor,
                 *rest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`_choose`, or only its argmax when no row samples, wants log-probabilities, has EOS
-        banned, follows a grammar or has a logit adjustment: the common greedy step then skips the
-        head's ~130 operators. Exported (torch.export, ONNX) this is one `If` on the inputs' shapes;
-        a TorchScript trace records no control flow, so it keeps the whole head, which gives the
-        same tokens."""
-        mask_rows, adjust_rows = rest[5], rest[7]  # in `_choose`'s order
+        """`_choose`, or an argmax when no row samples, wants log-probabilities or has a logit
+        adjustment: a greedy step skips the head's ~130 operators, and one whose rows follow a
+        grammar or have EOS banned (`_greedy`) applies those first, in a dozen more. Exported
+        (torch.export, ONNX) these are `If`s on the inputs' shapes; a TorchScript trace records no
+        control flow, so it keeps the whole head, which gives the same tokens."""
+        adjust_rows = rest[7]  # in `_choose`'s order
         operands = (logits, ban_rows, sample_rows, *rest)
         if torch.jit.is_tracing():
             return self._choose(*operands)
-        plain = ban_rows.shape[0] + sample_rows.shape[0] + mask_rows.shape[0] + adjust_rows.shape[0] == 0
+        greedy = sample_rows.shape[0] + adjust_rows.shape[0] == 0
         if not torch.compiler.is_exporting():
-            return (self._argmax if plain else self._choose)(*operands)
-        return torch.cond(plain, self._argmax, self._choose, operands)
+            return (self._greedy if greedy else self._choose)(*operands)
+        return torch.cond(greedy, self._greedy, self._choose, operands)
+
+    def _greedy(self, *operands: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Greedy rows only: the plain argmax, or (some rows with EOS banned or a grammar's mask)
+        the argmax of what each row allows."""
+        ban_rows, mask_rows = operands[1], operands[8]
+        plain = ban_rows.shape[0] + mask_rows.shape[0] == 0
+        if not torch.compiler.is_exporting():
+            return (self._argmax if plain else self._allowed_argmax)(*operands)
+        return torch.cond(plain, self._argmax, self._allowed_argmax, operands)
+
+    def _allowed_argmax(self, logits: torch.Tensor, ban_rows: torch.Tensor, sample_rows: torch.Tensor,
+                        temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, uniform: torch.Tensor,
+                        min_p: torch.Tensor, mask_rows: torch.Tensor, token_mask: torch.Tensor,
+                        *adjustments: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`_choose`'s greedy tokens without its sampling: masks, then EOS bans, then the argmax."""
+        logits = self._constrain(self._known(logits), mask_rows, token_mask)
+        without_eos = torch.where(self.eos_mask[None, :], float("-inf"), logits[ban_rows])
+        no_ids = sample_rows[:, None] * self.rank[:, : self.top_n]
+        return logits.argmax(-1).index_put((ban_rows,), without_eos.argmax(-1)), temperature * 0, no_ids, no_ids.float()
 
     def _argmax(self, logits: torch.Tensor, ban_rows: torch.Tensor, sample_rows: torch.Tensor,
                 temperature: torch.Tensor, *rest: torch.Tensor) -> tuple[torch.Tensor, ...]:

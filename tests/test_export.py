@@ -187,10 +187,22 @@ def test_a_bfloat16_export_records_its_dtype_the_checkpoints_eos_ids_and_samplin
     assert 0 < len(seq.output_ids) <= 12 and not set(seq.output_ids[:-1]) & {0, 5, 7}, "any EOS id ends it"
 
 
+def _op_types(graph) -> set[str]:
+    """Every operator of an ONNX graph, its branches' included."""
+    found = set()
+    for node in graph.node:
+        found.add(node.op_type)
+        for attr in node.attribute:
+            if attr.g.node:
+                found |= _op_types(attr.g)
+    return found
+
+
 def test_a_plain_greedy_step_skips_the_sampling_head_and_picks_what_the_whole_head_picks(exported_tiny):
-    """The ONNX step branches (one `If`) to a bare argmax when no row samples, wants
-    log-probabilities, has EOS banned, follows a grammar or has an adjustment; the TorchScript trace
-    always runs the whole head. Both must pick the same tokens, on either side of the branch."""
+    """The ONNX step branches (one `If`) to an argmax when no row samples, wants log-probabilities
+    or has an adjustment, and within it (a second `If`) to a bare argmax unless a row has EOS
+    banned or follows a grammar; the TorchScript trace always runs the whole head. Both must pick
+    the same tokens, on every side of the branches."""
     import onnx
     import onnxruntime as ort
 
@@ -199,9 +211,12 @@ def test_a_plain_greedy_step_skips_the_sampling_head_and_picks_what_the_whole_he
     out, _ = exported_tiny
     graph = onnx.load(str(out / "model.onnx")).graph
     (branch,) = [node for node in graph.node if node.op_type == "If"]
-    ops = {attr.name: {n.op_type for n in attr.g.node} for attr in branch.attribute}
+    ops = {attr.name: _op_types(attr.g) for attr in branch.attribute}
     assert "ArgMax" in ops["then_branch"] and not {"TopK", "CumSum"} & ops["then_branch"], ops
     assert {"TopK", "CumSum"} <= ops["else_branch"], ops
+    (inner,) = [node for node in branch.attribute[0].g.node if node.op_type == "If"]
+    greedy = {attr.name: _op_types(attr.g) for attr in inner.attribute}
+    assert "ScatterND" not in greedy["then_branch"] and "ArgMax" in greedy["else_branch"], greedy
     session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
     traced = torch.jit.load(str(out / "model.pt"))
     rng = np.random.default_rng(2)

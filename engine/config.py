@@ -39,6 +39,7 @@ class EngineConfig:
     small_step_threads: int = 2  # threads 0, ONNX Runtime on the CPU: spinning threads of the small-step session
     speculative_tokens: int = 4  # n-gram draft tokens per decoding row and step; 0 = no speculation
     speculative_step_tokens: int = 16  # drafts only while the step, drafts included, has at most this many tokens
+    skip_forced_tokens: bool = True  # a constrained row's tokens its grammar admits one at a time need no step
     cuda_graphs: bool = False  # torchscript on a GPU: decode steps replayed from CUDA graphs (engine/buckets.py)
 
     def __post_init__(self) -> None:

@@ -135,7 +135,10 @@ class EngineCore:
             return False
         ran, failed = self.isolation.run(scheduled.work)
         ran = [Ran(*self.speculator.verify(r.work, r.batch, r.out)) for r in ran]  # drafts: accepted tokens only
+        forced = self.scheduler.forced_tokens
         ended = [self.scheduler.update(r.work, r.batch.sampled, r.out.tokens) for r in ran]
+        self.stats.forced_tokens += self.scheduler.forced_tokens - forced
+        self.stats.generated_tokens += self.scheduler.forced_tokens - forced
         self._respond(scheduled.prefill, ran, ended, failed)
         return True
 

@@ -15,7 +15,10 @@ Life of a constrained request:
   which enter the exported step as an input (export/sampler.py applies them inside the graph);
 - after the step (engine/scheduler.py), `Constraint.advance` feeds the chosen token to the
   matcher; a matcher that cannot take it (its grammar reached a state that admits no token) ends
-  the request with an error.
+  the request with an error. Then `Constraint.forced` takes the run of tokens the grammar now
+  admits one at a time (a JSON schema's keys and punctuation): each is the only token its mask
+  allows, so greedy and sampled decoding alike would pick it, and the scheduler appends them
+  without a model step (their keys and values are computed with the row's next step).
 """
 
 from __future__ import annotations
@@ -50,12 +53,28 @@ class Constraint:
         self.matcher = matcher
         self.kind = kind
         self.words = words  # int32 words of its bitmask
+        self.mask: np.ndarray | None = None  # the current state's mask, once computed (fill_masks)
 
     def advance(self, token: int, eos_banned: bool = False) -> bool:
         """Feeds the chosen token; False when the grammar cannot take it (the request must end).
         `eos_banned`: the token is an end of sequence that min_tokens forbade, so the step chose it
         only because the grammar allowed nothing else."""
+        self.mask = None
         return not eos_banned and self.matcher.consume_token(token)
+
+    def forced(self, limit: int, eos: frozenset[int]) -> list[int]:
+        """The tokens the grammar admits one at a time from here, consumed: at most `limit`, and
+        none that ends the text (the step decides that, as min_tokens may forbid it). The last
+        mask computed is the next step's."""
+        run: list[int] = []
+        while len(run) < limit:
+            if self.mask is None:
+                fill_masks([self])
+            token = _only_token(self.mask)
+            if token is None or token in eos or not self.advance(token):
+                break
+            run.append(token)
+        return run
 
     @property
     def error(self) -> str:
@@ -137,15 +156,31 @@ _executor_lock = threading.Lock()
 
 
 def fill_masks(constraints: list[Constraint]) -> np.ndarray:
-    """[G, words] int32: each row's allowed tokens now, computed in parallel outside the GIL."""
+    """[G, words] int32: each row's allowed tokens now, computed in parallel outside the GIL (a
+    mask computed already for the same state, by `Constraint.forced`, is reused)."""
     global _executor
     with _executor_lock:
         if _executor is None:
             _executor = _llguidance().LLExecutor()
     masks = np.zeros((len(constraints), constraints[0].words), np.int32)
-    _llguidance().numpy.fill_next_token_bitmask_par(_executor, [(c.matcher, i) for i, c in enumerate(constraints)],
-                                                   masks)
+    missing = [(c.matcher, i) for i, c in enumerate(constraints) if c.mask is None]
+    if missing:
+        _llguidance().numpy.fill_next_token_bitmask_par(_executor, missing, masks)
+    for i, c in enumerate(constraints):
+        if c.mask is None:
+            c.mask = masks[i]
+        else:
+            masks[i] = c.mask
     return masks
+
+
+def _only_token(mask: np.ndarray) -> int | None:
+    """The one token a packed mask allows, or None if it allows several (or none)."""
+    words = np.flatnonzero(mask)
+    if len(words) != 1:
+        return None
+    word = int(mask[words[0]]) & 0xFFFFFFFF
+    return None if word & (word - 1) else int(words[0]) * 32 + word.bit_length() - 1
 
 
 def _first_line(error: object) -> str:

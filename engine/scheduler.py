@@ -60,6 +60,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
+        self.forced_tokens = 0  # appended without a step: the only tokens their grammars admitted
         self._background = 0  # background (priority > 1) sequences held, running or waiting
         self._admit_cap_until = 0.0
         self._admit_cap = config.max_num_seqs
@@ -279,8 +280,8 @@ class Scheduler:
                 ended[seq] = "error"  # its grammar admits no token here (engine/grammar.py)
             elif ends:
                 ended[seq] = "stop"
-            elif len(generated) >= seq.params.max_tokens:  # admission checked it fits the context
-                ended[seq] = "length"
+            elif len(generated) >= seq.params.max_tokens or self._take_forced(seq):
+                ended[seq] = "length"  # admission checked that max_tokens fits the context
         size = self.blocks.block_size
         for w in work:
             seq = w.seq
@@ -288,6 +289,25 @@ class Scheduler:
             if self.blocks.prefix_caching and seq.num_cached // size > seq.committed:
                 self.blocks.commit(seq)
         return ended
+
+
+    def _take_forced(self, seq: Sequence) -> bool:
+        """Appends the tokens a constrained row's grammar admits one at a time (engine/grammar.py):
+        the row feeds them with its next step, which computes their keys and values and samples
+        what follows. A seeded sampled row draws the number each would have drawn, so its later
+        tokens are the same. Not for a row whose caller reads each token as it comes (streaming,
+        stop strings) or wants each one's log-probability, which only a step computes. True when
+        they take it to max_tokens."""
+        if (seq.params.guide is None or not self.config.skip_forced_tokens or seq.params.logprobs is not None
+                or seq.output.per_token):
+            return False
+        room = seq.params.max_tokens - len(seq.output_ids)
+        run = seq.output.constraint.forced(room, self.eos)
+        seq.output_ids.extend(run)
+        self.forced_tokens += len(run)
+        if seq.rng is not None and not seq.params.greedy:
+            seq.rng.random(len(run))
+        return len(run) == room > 0
 
 
 def _level(seq: Sequence) -> int:

@@ -52,6 +52,7 @@ class EngineStats:
     cached_blocks: int = 0  # KV blocks whose contents the prefix cache can offer
     step_sizes: dict[int, int] = field(default_factory=dict)  # batch size -> steps of that size
     runner_seconds: float = 0.0  # time inside the runner's step: the rest of a step is host work
+    forced_tokens: int = 0  # generated without a step: the only tokens a grammar admitted (engine/grammar.py)
 
     speculation: SpeculationStats = field(default_factory=SpeculationStats)  # n-gram drafts (engine/speculation.py)
 

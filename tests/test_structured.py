@@ -354,3 +354,57 @@ def test_a_grammar_slower_to_compile_than_the_limit_is_refused_naming_the_field(
     eng.grammars.compile_seconds = 0.0  # every compilation takes longer than this
     with pytest.raises(InvalidRequest, match=r"sampling_parameters\.regex took .* to compile; at most 0 s"):
         eng.make_sequence("x", params(regex="[0-9]{2,5}"), Collector())
+
+
+# ----- forced tokens without steps ----------------------------------------------------------------
+
+
+FORCED_GUIDES = [
+    {"json_schema": {"type": "object", "additionalProperties": False, "required": ["name", "kind", "size"],
+                     "properties": {"name": {"type": "string", "maxLength": 10},
+                                    "kind": {"enum": ["function", "class"]},
+                                    "size": {"type": "integer", "minimum": 0, "maximum": 99}}}},
+    {"regex": r"item-(alpha|beta)-[0-9]{2}; status: (open|closed)"},
+    {"grammar": 'root ::= "call(" name ", " name ")"\nname ::= [a-z]+'},
+]
+
+
+@pytest.mark.parametrize("guide", FORCED_GUIDES, ids=["json_schema", "regex", "grammar"])
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.9, "seed": 11}], ids=["greedy", "seeded"])
+def test_forced_tokens_without_steps_give_the_tokens_of_decoding_them_one_by_one(model_dir, guide, sampling):
+    """A constrained row takes the run of tokens its grammar admits one at a time without model
+    steps: the same tokens as stepping through them (greedy, and seeded sampling, whose numbers
+    are drawn for the skipped positions too), in fewer steps, and every output still matches."""
+    prompts = [f"def task_{i}(x):\n    return " for i in range(6)]
+    runs = {}
+    for skip in (True, False):
+        eng = engine(model_dir, skip_forced_tokens=skip)
+        params = parse_sampling_parameters(json.dumps({"max_tokens": 48, **guide, **sampling}), 512, 16)
+        seqs = [eng.make_sequence(p, params, lambda out: None) for p in prompts]
+        eng.generate(seqs)
+        runs[skip] = ([s.output_ids for s in seqs], eng.stats.steps, eng.stats.forced_tokens,
+                      [eng.codec.decode(s.output_ids) for s in seqs])
+    assert runs[True][0] == runs[False][0], "the same tokens, with and without skipping"
+    assert runs[True][2] > 0 and runs[False][2] == 0 and runs[True][1] < runs[False][1], "fewer steps when skipping"
+    for text in runs[True][3]:
+        if "json_schema" in guide:
+            jsonschema.validate(json.loads(text), guide["json_schema"])
+        elif "regex" in guide:
+            assert re.fullmatch(guide["regex"], text), text
+        else:
+            assert re.fullmatch(r"call\([a-z]+, [a-z]+\)", text), text
+
+
+def test_rows_read_token_by_token_never_skip(model_dir):
+    """Streaming, stop strings and log-probabilities read every token as it comes: those rows step
+    through their forced tokens."""
+    eng = engine(model_dir)
+    guide = FORCED_GUIDES[0]
+    for extra in ({"logprobs": 1}, {"stop": ["never-here"]}):
+        params = parse_sampling_parameters(json.dumps({"max_tokens": 48, "temperature": 0, **guide, **extra}), 512,
+                                           16)
+        eng.generate([eng.make_sequence("def f(x):\n", params, lambda out: None)])
+    streamed = eng.make_sequence("def f(x):\n", parse_sampling_parameters(
+        json.dumps({"max_tokens": 48, "temperature": 0, **guide}), 512, 16), lambda out: None, stream=True)
+    eng.generate([streamed])
+    assert eng.stats.forced_tokens == 0

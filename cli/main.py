@@ -34,8 +34,8 @@ COMMANDS = {
     "batch-bench": ("batchstring.loadtest.batch_bench", "add_arguments", "run",
                     "interactive latency and batch throughput, alone and with a Batch API batch running"),
     "structured-bench": ("batchstring.loadtest.structured_bench", "add_arguments", "run",
-                         "constrained decoding's cost: JSON-schema traffic beside the same unconstrained, and new "
-                         "schemas arriving while others decode"),
+                         "constrained decoding's cost: free, JSON-schema and mixed traffic in runs of their own, "
+                         "and new schemas arriving while others decode"),
     "replica-bench": ("batchstring.loadtest.replica_bench", "add_arguments", "run",
                       "one large Batch API batch on two replicas sharing PostgreSQL, against one replica"),
     "soak": ("batchstring.loadtest.soak", "add_arguments", "run",

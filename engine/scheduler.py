@@ -296,10 +296,13 @@ class Scheduler:
         the row feeds them with its next step, which computes their keys and values and samples
         what follows. A seeded sampled row draws the number each would have drawn, so its later
         tokens are the same. Not for a row whose caller reads each token as it comes (streaming,
-        stop strings) or wants each one's log-probability, which only a step computes. True when
-        they take it to max_tokens."""
+        stop strings) or wants each one's log-probability, which only a step computes; and, as
+        drafts, only while at most `speculative_step_tokens` rows run: skipping saves steps, not
+        arithmetic, and a full batch pays per token either way (more, in the padded group the
+        forced runs then share: BENCHMARKS.md, "Structured output"). True when they take it to
+        max_tokens."""
         if (seq.params.guide is None or not self.config.skip_forced_tokens or seq.params.logprobs is not None
-                or seq.output.per_token):
+                or seq.output.per_token or len(self.running) > self.config.speculative_step_tokens):
             return False
         room = seq.params.max_tokens - len(seq.output_ids)
         run = seq.output.constraint.forced(room, self.eos)

@@ -26,10 +26,10 @@ from batchstring.frontdoor.batch_store import open_store
 from batchstring.loadtest.balancer import RoundRobin
 from batchstring.loadtest.postgres import PostgresServer
 from tests.conftest import start_server
+from tests.test_batches import _wait
 
 KEY_A, KEY_B = "sk-replica-a-0123456789", "sk-replica-b-0123456789"
 LEASE = "3"
-ENDED = ("completed", "failed", "cancelled", "expired")
 
 
 @pytest.fixture(scope="module")
@@ -71,16 +71,6 @@ def _lines(prompts: list[str], max_tokens: int) -> bytes:
     return "".join(json.dumps({"custom_id": str(i), "method": "POST", "url": "/v1/completions",
                                "body": {"model": "llm", "prompt": p, "max_tokens": max_tokens, "temperature": 0,
                                         "ignore_eos": True}}) + "\n" for i, p in enumerate(prompts)).encode()
-
-
-def _wait(sdk: openai.OpenAI, batch_id: str, until=lambda b: b.status in ENDED, timeout: float = 300.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        batch = sdk.batches.retrieve(batch_id)
-        if until(batch):
-            return batch
-        assert time.monotonic() < deadline, f"batch still {batch.status}: {batch.request_counts}"
-        time.sleep(0.3)
 
 
 def _holders(url: str, batch_id: str) -> set[str]:

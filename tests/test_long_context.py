@@ -124,7 +124,7 @@ def test_spans_follow_the_rows_one_per_row_when_even_and_many_for_a_long_row_amo
     assert span_blocks(even, 1, 16, 2) == 7, "seven blocks each: one span per row, no padding"
     mixed = np.array([97] * 63 + [15000])
     span = span_blocks(mixed, 1, 16, 2)
-    assert 1 < span < 64 and pair_count(mixed, span, 16) > 64
+    assert span > 1 and span < 64 and pair_count(mixed, span, 16) > 64, "several short spans for the long row"
     keys = pair_count(mixed, span, 16) * span * 16
     assert keys < 1.2 * mixed.sum() + 64 * span * 16, "the keys gathered follow the sum of the contexts"
     assert pair_count(np.array([0, 0, 33]), 1, 16) == 1 + 1 + 3, "a row without a past keeps one masked pair"

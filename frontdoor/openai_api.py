@@ -205,7 +205,11 @@ class OpenAIRoutes:
 
 
 async def _complete(client: AsyncBatchClient, req: Request) -> list[Completion | BaseException]:
-    """Every completion, in order: one call per choice index (their seeds differ), all at once."""
+    """Every completion, in order: one call (the copies of a prompt reach the engine together, and
+    the prefix cache computes it once), or with a seed one call per choice index (their seeds
+    differ), all at once."""
+    if req.options.get("seed") is None or req.n == 1:
+        return await client.complete(req.prompts, **req.options, return_exceptions=True)
     calls = [client.complete(req.prompts[j :: req.n], **req.options_for(j), return_exceptions=True)
              for j in range(req.n)]
     by_choice = await asyncio.gather(*calls)

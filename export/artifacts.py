@@ -189,6 +189,7 @@ def runtime_spec(step: DecoderStep, hf_config, tokenizer_eos: list[int], source:
         "vocab_size": step.vocab_size,  # ids the step can produce: the tokenizer's (padding cut off)
         "checkpoint_vocab_size": int(step.lm_head.out_features),
         "context_length": int(hf_config.max_position_embeddings),
+        "sliding_windows": [plan.window for plan in step.plans],  # per layer; null: every past token
         "eos_token_ids": tokenizer_eos,
         "dtype": str(step.dtype).removeprefix("torch."),  # weights and KV cache
         "sampling_defaults": sampling_defaults or {},  # the checkpoint's generation_config

@@ -18,6 +18,7 @@ import torch
 
 from batchstring.engine.tokenizer import TextCodec
 from batchstring.export import artifacts
+from batchstring.export.family import features
 from batchstring.export.layout import DEFAULT_MODEL_DIR, MODEL_VERSION_DIR, SMALL_STEP_GRAPH
 from batchstring.export.step import DecoderStep, check_supported
 from batchstring.export.verify import (
@@ -215,6 +216,7 @@ def export_model(
     with stages.stage(f"load {source.name} in {dtype}"):
         hf_model = load_checkpoint(source, dtype)
         step, eos = decoder_step(hf_model, source)
+    console.print(f"{hf_model.config.model_type}: {', '.join(features(hf_model)) or 'Llama layers'}")
     with tempfile.TemporaryDirectory(prefix="batchstring-export-") as tmp:
         scratch = Path(tmp)
         with stages.stage("trace and save ONNX (torch.export)"):

@@ -89,34 +89,15 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from batchstring.export.family import Family, UnsupportedModel, family_of, layer_plans, rotary_tables
 from batchstring.export.sampler import SamplingHead
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-UNSUPPORTED_ROPE = ("dynamic", "longrope")
-
-
-class UnsupportedModel(ValueError):
-    """The checkpoint's architecture is outside what the step implements."""
+__all__ = ["DecoderStep", "UnsupportedModel", "check_supported"]
 
 
 def check_supported(config) -> None:
     """Refuses, with the reason, checkpoints whose forward this step would not reproduce."""
-    model_type = getattr(config, "model_type", "?")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModel(
-            f"model_type {model_type!r} is not supported; batchstring exports Llama-family "
-            f"decoders: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-    rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
-    if rope in UNSUPPORTED_ROPE:
-        raise UnsupportedModel(f"rope_type {rope!r} changes with sequence length and is not supported")
-    window = getattr(config, "sliding_window", None)
-    uses_window = getattr(config, "use_sliding_window", model_type == "mistral")
-    if window and uses_window and window < config.max_position_embeddings:
-        raise UnsupportedModel(
-            f"sliding-window attention (window {window} < context {config.max_position_embeddings}) "
-            "is not supported"
-        )
+    family_of(config)
 
 
 class DecoderStep(nn.Module):
@@ -131,21 +112,30 @@ class DecoderStep(nn.Module):
                  never_ids: list[int] = (), single_group: bool = False) -> None:
         super().__init__()
         self.single_group = single_group
-        check_supported(hf_model.config)
+        cfg = hf_model.config
+        family = family_of(cfg)
         inner = hf_model.model
         attn = inner.layers[0].self_attn
-        if hasattr(attn, "q_norm"):
-            raise UnsupportedModel("per-head q/k normalisation (Qwen3-style) is not supported")
         self.embed = inner.embed_tokens
-        self.layers = nn.ModuleList(StepLayer(layer) for layer in inner.layers)
+        self.layers = nn.ModuleList(StepLayer(layer, family) for layer in inner.layers)
+        self.plans = layer_plans(hf_model)
+        self.windows = sorted({plan.window for plan in self.plans if plan.window})
         self.norm = inner.norm
         self.lm_head = hf_model.lm_head
-        cfg = hf_model.config
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = attn.head_dim
-        rotary = inner.rotary_emb
-        self.register_buffer("inv_freq", rotary.inv_freq.detach().clone().float(), persistent=False)
+        # Scalars of the family's forward (1 / None: the step leaves the operator out).
+        self.embedding_multiplier = float(getattr(cfg, "embedding_multiplier", 1.0))
+        self.residual_multiplier = float(getattr(cfg, "residual_multiplier", 1.0))
+        self.logits_scaling = float(getattr(cfg, "logits_scaling", 1.0))
+        self.attn_softcap = getattr(cfg, "attn_logit_softcapping", None)
+        self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
+        tables = rotary_tables(inner.rotary_emb)
+        self.rope_scale = {name: float(scale) for name, (_, scale) in tables.items()}
+        self.rotary_dim = 2 * next(iter(tables.values()))[0].numel()  # < head_dim: partial rotary (Phi-3)
+        for name, (inv_freq, _) in tables.items():
+            self.register_buffer(f"inv_freq_{name}", inv_freq.detach().clone().float(), persistent=False)
         self.register_buffer("kv_head_index", torch.arange(self.num_kv_heads)[:, None, None], persistent=False)
         # The rotary factors cover every head of the fused projection: the queries' carry the attention
         # scale (one multiply per step, not per layer), the values' are cos 1, sin 0 (left as they are).
@@ -155,7 +145,6 @@ class DecoderStep(nn.Module):
         value_heads = torch.tensor([0.0] * (heads[0] + heads[1]) + [1.0] * heads[2])
         self.register_buffer("head_scale", head_scale[None, :, None].to(self.dtype), persistent=False)
         self.register_buffer("value_heads", value_heads[None, :, None].to(self.dtype), persistent=False)
-        self.rope_scale = float(rotary.attention_scaling)
         self.vocab_size = min(vocab_size or self.lm_head.out_features, self.lm_head.out_features)
         self.sampler = SamplingHead(self.vocab_size, list(eos_ids), list(never_ids))
 
@@ -205,12 +194,14 @@ class DecoderStep(nn.Module):
         # Activations keep a leading axis of 1 ([1, T, d]): ONNX Runtime runs 3-D linear layers as
         # MatMul with prepacked weights, measurably faster at small T than the Gemm a 2-D input gets.
         h = self.embed(input_ids[None])
-        cos, sin = self._rotary(position_ids)
+        if self.embedding_multiplier != 1.0:
+            h = h * self.embedding_multiplier
+        rotations = self._rotary(position_ids)
         inputs = [(prefill_tokens, prefill_mask, prefill_rows, prefill_context, prefill_pairs)]
         if not self.single_group:
             decode_mask = torch.ones_like(decode_tokens, dtype=torch.bool)
             inputs.insert(0, (decode_tokens, decode_mask, decode_rows, decode_context, decode_pairs))
-        groups = [self._group(*group, block_table, key_cache.shape) for group in inputs]
+        groups = [self._group(*group, block_table, key_cache.shape, position_ids) for group in inputs]
         spans = [group[4].shape[1] * key_cache.shape[3] for group in inputs]  # keys per pair
         # One flat Gather of whole blocks per layer and group: indexing key_cache[i] first would copy the layer.
         _, kv_heads, num_blocks, block_size, dim = key_cache.shape
@@ -219,68 +210,114 @@ class DecoderStep(nn.Module):
         layer_stride = kv_heads * num_blocks
         new_kv = []
         q_heads = self.num_heads
-        for i, layer in enumerate(self.layers):
-            x = _rms_norm(layer.input_layernorm, h)
-            qkv = _rotate(layer.qkv(x).view(-1, q_heads + 2 * kv_heads, dim), cos, sin)  # [T, Hq + 2H, D]
+        for i, (layer, plan) in enumerate(zip(self.layers, self.plans)):
+            qkv = layer.project(_norm(layer.attn_norm, h), q_heads, kv_heads, dim)  # [T, Hq + 2H, D]
+            if plan.rope is None:  # NoPE: only the queries' attention scale
+                qkv = qkv * (self.head_scale + self.value_heads)
+            else:
+                qkv = _rotate(qkv, *rotations[plan.rope], self.rotary_dim)
             outs = []
-            for group, span in zip(groups, spans):
+            for windows, span in zip(groups, spans):
+                group = windows[plan.window]
                 blocks = group.blocks + i * layer_stride if i else group.blocks
                 past = [torch.index_select(flat, 0, blocks).view(kv_heads, -1, span, dim)
                         for flat in (flat_keys, flat_values)]  # [H, P, C * bs, D]
                 q_g, k_g, v_g = _take(qkv, group.tokens).split((q_heads, kv_heads, kv_heads), dim=2)
                 outs.append(self._attention(q_g, k_g, v_g, group, *past))
-            h = h + layer.o_proj(torch.index_select(torch.cat(outs, 1), 1, token_order))
-            h = h + layer.mlp(_rms_norm(layer.post_attention_layernorm, h))
+            attended = layer.o_proj(torch.index_select(torch.cat(outs, 1), 1, token_order))
+            h = h + self._residual(_norm(layer.attn_post_norm, attended))
+            mlp = layer.mlp(_norm(layer.mlp_norm, h))
+            h = h + self._residual(_norm(layer.mlp_post_norm, mlp))
             new_kv.append(qkv[:, q_heads:])  # [T, 2H, D]
         last = _take(h[0], logit_tokens)[None]
-        logits = self.lm_head(_rms_norm(self.norm, last))[0].float()
+        logits = self.lm_head(_norm(self.norm, last))[0].float()
         if self.vocab_size < logits.shape[1]:
             logits = logits[:, : self.vocab_size]
+        if self.logits_scaling != 1.0:
+            logits = logits / self.logits_scaling
+        if self.final_softcap:
+            logits = _softcap(logits, self.final_softcap)
         sampled = self.sampler(logits, ban_rows, sample_rows, temperature, top_k, top_p, uniform, min_p,
                                mask_rows, token_mask, adjust_rows, adjust_tokens, adjust_bias, adjust_scale,
                                adjust_shift)
         new_keys, new_values = torch.stack(new_kv).transpose(1, 2).split(kv_heads, dim=1)  # [L, H, T, D] each
         return (*sampled, logits, new_keys, new_values)
 
-    def _rotary(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, Hq + 2H, D] for every head of the fused projection: the queries' scaled
-        by the attention scale (rotation is linear: scaling the rotated query scales its scores),
-        the values' cos 1 and sin 0, so one rotation per layer leaves them exactly as they were."""
-        freqs = position_ids[:, None].float() * self.inv_freq  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
-        return ((emb.cos() * self.rope_scale).to(self.dtype) * self.head_scale + self.value_heads,
-                (emb.sin() * self.rope_scale).to(self.dtype) * self.head_scale)
+    def _residual(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.residual_multiplier if self.residual_multiplier != 1.0 else x
+
+    def _rotary(self, position_ids: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per rotary table, cos and sin [T, Hq + 2H, D] for every head of the fused projection: the
+        queries' scaled by the attention scale (rotation is linear: scaling the rotated query scales
+        its scores), the values' cos 1 and sin 0, so one rotation per layer leaves them exactly as
+        they were. Past a partial rotary's dims, cos 1 and sin 0: those dims pass unrotated."""
+        positions = position_ids[:, None].float()
+        tables = {}
+        for name, scale in self.rope_scale.items():
+            freqs = positions * getattr(self, f"inv_freq_{name}")  # [T, R/2]
+            cos, sin = freqs.cos() * scale, freqs.sin() * scale
+            cos, sin = [cos, cos], [sin, sin]
+            if self.rotary_dim < self.head_dim:
+                passed = torch.zeros_like(freqs[:, :1]).expand(-1, self.head_dim - self.rotary_dim)
+                cos, sin = [*cos, passed + 1], [*sin, passed]
+            cos, sin = (torch.cat(parts, dim=-1)[:, None, :].to(self.dtype) for parts in (cos, sin))  # [T, 1, D]
+            tables[name] = (cos * self.head_scale + self.value_heads, sin * self.head_scale)
+        return tables
 
     def _group(self, tokens: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor, context: torch.Tensor,
-               pairs: torch.Tensor, table: torch.Tensor, cache_shape) -> PagedGroup:
+               pairs: torch.Tensor, table: torch.Tensor, cache_shape,
+               position_ids: torch.Tensor) -> dict[int | None, PagedGroup]:
         """What every layer of one group reuses: its pairs (engine/block_table.py) and their blocks
-        (layer 0's flat block indices, per kv head), the masks, and the scatter indices. The
-        single-group graph takes one pair per row (see `_attention_rows`)."""
+        (layer 0's flat block indices, per kv head), the masks, and the scatter indices; one
+        variant per sliding window the layers use (None: no window), differing only in their
+        masks. The single-group graph takes one pair per row (see `_attention_rows`)."""
         _, kv_heads, num_blocks, block_size, _ = cache_shape
         span_blocks = pairs.shape[1]
         span = span_blocks * block_size
         group_size = self.num_heads // kv_heads
         first_columns = pairs.new_ones(span_blocks).cumsum(0) - 1  # [C]
         first_keys = pairs.new_ones(span).cumsum(0) - 1  # [C * bs]
+        queries = _take(position_ids, tokens)  # [B, S]: each query's position (padding: any)
         if self.single_group:  # pair b is row b's only span
-            blocks = _take(table.reshape(-1), rows[:, None] * table.shape[1] + first_columns)
-            past_bias = _bias(first_keys < context[:, None])[None, :, None, :]  # [1, B, 1, C * bs]
-            joint = torch.cat((past_bias.expand(-1, -1, tokens.shape[1] * group_size, -1),
-                               _attention_bias(mask, group_size)), dim=-1)  # [1, B, Q, C * bs + S]
-            return PagedGroup(tokens, None, self._kv_blocks(blocks, num_blocks), joint)
+            blocks = self._kv_blocks(_take(table.reshape(-1), rows[:, None] * table.shape[1] + first_columns),
+                                     num_blocks)
+            past = first_keys < context[:, None]  # [B, C * bs]
+            variants = {}
+            for window in [None, *self.windows]:
+                if window is None:
+                    past_bias = _bias(past)[None, :, None, :].expand(-1, -1, tokens.shape[1] * group_size, -1)
+                else:
+                    past_bias = _bias(_per_query(past[:, None, :] & (queries[:, :, None] - first_keys < window),
+                                                 group_size))
+                joint = torch.cat((past_bias, _attention_bias(mask, group_size, window)), dim=-1)  # [1, B, Q, C*bs+S]
+                variants[window] = PagedGroup(tokens, None, blocks, joint)
+            return variants
         counts = ((context + (span - 1)) // span).clamp(min=1)  # pairs per row: at least one (masked if empty)
         ends = counts.cumsum(0)
         marks = pairs.new_zeros(pairs.shape[0] + 1).index_add(0, ends, torch.ones_like(ends))
         pair_row = marks.cumsum(0)[:-1]  # [P]: how many rows' pairs all come before it = its row
         span_index = torch.ones_like(pair_row).cumsum(0) - 1 - _take(ends - counts, pair_row)  # which span of its row
         columns = span_index[:, None] * span_blocks + first_columns  # [P, C]
-        blocks = _take(table.reshape(-1), _take(rows, pair_row)[:, None] * table.shape[1] + columns)
+        blocks = self._kv_blocks(_take(table.reshape(-1), _take(rows, pair_row)[:, None] * table.shape[1] + columns),
+                                 num_blocks)
         key_pos = span_index[:, None] * span + first_keys  # [P, C * bs]
-        past_bias = _bias(key_pos < _take(context, pair_row)[:, None])[None, :, None, :]  # [1, P, 1, C * bs]
+        past = (key_pos < _take(context, pair_row)[:, None])[:, None, :]  # [P, 1, C * bs]
         scatter = pair_row[None, :, None, None].expand(kv_heads, -1, tokens.shape[1] * group_size, 1)
         row_of_pair = (torch.ones_like(rows).cumsum(0)[:, None] - 1 == pair_row[None, :]).float()[None]  # [1, B, P]
-        return PagedGroup(tokens, pair_row, self._kv_blocks(blocks, num_blocks), past_bias,
-                          _attention_bias(mask, group_size), scatter, row_of_pair)
+        variants = {}
+        for window in [None, *self.windows]:
+            if window is None:  # [1, P, 1, C * bs]: the same for every query
+                past_bias = _bias(past)[None]
+            else:  # [1, P, Q, C * bs]
+                near = _take(queries, pair_row)[:, :, None] - key_pos[:, None, :] < window
+                past_bias = _bias(_per_query(past & near, group_size))
+            variants[window] = PagedGroup(tokens, pair_row, blocks, past_bias,
+                                          _attention_bias(mask, group_size, window), scatter, row_of_pair)
+        return variants
+
+    def _capped(self, scores: torch.Tensor) -> torch.Tensor:
+        """Attention logit soft-capping (Gemma 2), on the scaled scores as HF applies it."""
+        return _softcap(scores, self.attn_softcap) if self.attn_softcap else scores
 
     def _kv_blocks(self, blocks: torch.Tensor, num_blocks) -> torch.Tensor:
         """[H * P * C]: layer 0's flat block index of every pair's blocks, per kv head."""
@@ -305,7 +342,8 @@ class DecoderStep(nn.Module):
         span per row wastes little)."""
         span = past_k.shape[2]
         scores = torch.cat((torch.matmul(q, past_k.transpose(-1, -2)), torch.matmul(q, k.transpose(-1, -2))), dim=-1)
-        probs = torch.softmax(scores.float() + group.past_bias, dim=-1).to(v.dtype)  # [H, B, Q, C * bs + S]
+        scores = self._capped(scores.float())
+        probs = torch.softmax(scores + group.past_bias, dim=-1).to(v.dtype)  # [H, B, Q, C * bs + S]
         on_past, on_new = probs.split((span, probs.shape[3] - span), dim=-1)
         return torch.matmul(on_past, past_v) + torch.matmul(on_new, v)
 
@@ -321,8 +359,9 @@ class DecoderStep(nn.Module):
         joining them.
         """
         queries = torch.index_select(q, 1, group.pair_row)  # [H, P, Q, D]
-        past_scores = torch.matmul(queries, past_k.transpose(-1, -2)).float() + group.past_bias  # [H, P, Q, C*bs]
-        new_scores = torch.matmul(q, k.transpose(-1, -2)).float() + group.new_bias  # [H, B, Q, S]
+        past_scores = self._capped(torch.matmul(queries, past_k.transpose(-1, -2)).float())
+        past_scores = past_scores + group.past_bias  # [H, P, Q, C * bs]
+        new_scores = self._capped(torch.matmul(q, k.transpose(-1, -2)).float()) + group.new_bias  # [H, B, Q, S]
         top = new_scores.amax(-1, keepdim=True).scatter_reduce(  # [H, B, Q, 1]: each query's max
             1, group.scatter, past_scores.amax(-1, keepdim=True), reduce="amax", include_self=True)
         past_probs = torch.exp(past_scores - torch.index_select(top, 1, group.pair_row))
@@ -359,20 +398,41 @@ class StepLayer(nn.Module):
     """One decoder layer's weights as the step runs them: q, k and v as one projection, gate and
     up as another (two matrix multiplies where the checkpoint has five, and no concatenation of
     their outputs). Only the fused copies are held, so neither export file stores a layer's
-    projection twice; the norms, o_proj and down_proj are the checkpoint's own modules."""
+    projection twice. Checkpoints that fuse them already (Phi-3) are taken as they are; an MLP
+    without a gate (StarCoder2) runs as one. Norms sit where the family puts them (export/family.py)."""
 
-    def __init__(self, layer: nn.Module) -> None:
+    def __init__(self, layer: nn.Module, family: Family) -> None:
         super().__init__()
         attn, mlp = layer.self_attn, layer.mlp
-        self.input_layernorm = layer.input_layernorm
-        self.post_attention_layernorm = layer.post_attention_layernorm
-        self.qkv = _fused_linear(attn.q_proj, attn.k_proj, attn.v_proj)
+        (self.attn_norm, self.attn_post_norm), (self.mlp_norm, self.mlp_post_norm) = (
+            (getattr(layer, n) if n else None for n in pair) for pair in family.norms)
+        self.qk_norm = family.qk_norm
+        self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        self.qkv = getattr(attn, "qkv_proj", None) or _fused_linear(attn.q_proj, attn.k_proj, attn.v_proj)
         self.o_proj = attn.o_proj
-        self.gate_up = _fused_linear(mlp.gate_proj, mlp.up_proj)
-        self.down_proj = mlp.down_proj
-        self.act_fn = mlp.act_fn
+        if hasattr(mlp, "c_fc"):  # no gate: down(act(up(x)))
+            self.gate_up, self.down_proj, self.act_fn, self.gated = mlp.c_fc, mlp.c_proj, mlp.act, False
+        else:
+            self.gate_up = getattr(mlp, "gate_up_proj", None) or _fused_linear(mlp.gate_proj, mlp.up_proj)
+            self.down_proj, self.gated = mlp.down_proj, True
+            self.act_fn = getattr(mlp, "act_fn", None) or mlp.activation_fn
+
+    def project(self, x: torch.Tensor, q_heads: int, kv_heads: int, dim: int) -> torch.Tensor:
+        """Queries, keys and values [T, Hq + 2H, D], the queries and keys normalised where the
+        family does (before the rotary embedding, as HF does)."""
+        qkv = self.qkv(x)
+        if self.qk_norm == "all":  # over every head's dims at once
+            q, k, v = qkv.split((q_heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
+            qkv = torch.cat((_norm(self.q_norm, q), _norm(self.k_norm, k), v), dim=-1)
+        qkv = qkv.view(-1, q_heads + 2 * kv_heads, dim)
+        if self.qk_norm == "head":
+            q, k, v = qkv.split((q_heads, kv_heads, kv_heads), dim=1)
+            qkv = torch.cat((_norm(self.q_norm, q), _norm(self.k_norm, k), v), dim=1)
+        return qkv
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.gated:
+            return self.down_proj(self.act_fn(self.gate_up(x)))
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down_proj(self.act_fn(gate) * up)
 
@@ -391,13 +451,22 @@ def _fused_linear(*parts: nn.Linear) -> nn.Linear:
     return fused.requires_grad_(False)
 
 
-def _attention_bias(mask: torch.Tensor, group_size: int) -> torch.Tensor:
+def _attention_bias(mask: torch.Tensor, group_size: int, window: int | None = None) -> torch.Tensor:
     """Additive float32 bias [1, B, S x G, S] among a group's new tokens (left-padded): a query sees
-    the real new tokens up to itself, for each of its G query heads. Positions are a cumulative sum
-    over the mask's own shape (an arange would carry the tracing device)."""
+    the real new tokens up to itself (and fewer than `window` back), for each of its G query heads.
+    Positions are a cumulative sum over the mask's own shape (an arange would carry the tracing
+    device); a row's new tokens are consecutive, so their differences are the positions'."""
     pos = torch.ones_like(mask, dtype=torch.int64).cumsum(1)  # [B, S]: 1, 2, ...
     allowed = (pos[:, None, :] <= pos[:, :, None]) & mask[:, None, :]  # [B, S, S]
+    if window is not None:
+        allowed = allowed & (pos[:, :, None] - pos[:, None, :] < window)
     return _bias(allowed)[None, :, :, None, :].expand(-1, -1, -1, group_size, -1).flatten(2, 3)
+
+
+def _per_query(allowed: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[1, N, S x G, K] for a mask [N, S, K] of each query position: each of a position's G query
+    heads sees what the position sees."""
+    return allowed[:, :, None, :].expand(-1, -1, group_size, -1).flatten(1, 2)[None]
 
 
 def _bias(allowed: torch.Tensor) -> torch.Tensor:
@@ -406,12 +475,21 @@ def _bias(allowed: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(allowed, dtype=torch.float32).masked_fill(~allowed, torch.finfo(torch.float32).min)
 
 
-def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """HF's RMSNorm (float32 statistics, weight applied in the model's dtype), written with a
-    division so that ONNX Runtime fuses it into one SimplifiedLayerNormalization kernel."""
-    xf = x.float()
+def _norm(norm: nn.Module | None, x: torch.Tensor) -> torch.Tensor:
+    """A layer's norm (None: none there). Llama-style RMSNorms (those with `variance_epsilon`)
+    are written out so that ONNX Runtime fuses them; any other (Gemma's 1 + weight, LayerNorm
+    with biases) runs as the checkpoint's own module."""
+    if norm is None:
+        return x
+    if not hasattr(norm, "variance_epsilon"):
+        return norm(x)
+    xf = x.float()  # float32 statistics, weight applied in the model's dtype; a division, as ORT fuses it
     normed = xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
     return norm.weight * normed.to(x.dtype)
+
+
+def _softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    return torch.tanh(x / cap) * cap
 
 
 def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -420,6 +498,8 @@ def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.index_select(x, 0, index.reshape(-1)).view(*index.shape, *x.shape[1:])
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """HF's rotate-half rotation over the first `rotary_dim` dims (the rest pass: their sin is 0)."""
+    half, dim = rotary_dim // 2, x.shape[-1]
+    parts = [-x[..., half:rotary_dim], x[..., :half]] + ([x[..., rotary_dim:]] if rotary_dim < dim else [])
+    return x * cos + torch.cat(parts, dim=-1) * sin

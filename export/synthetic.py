@@ -103,6 +103,37 @@ def tiny_llama_3_config():
                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 256})
 
 
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, bos_token_id=None, eos_token_id=None,
+            pad_token_id=None)
+WINDOW = 24  # small enough that the verification's 100-token pasts and 32-token generations cross it
+TWO_KINDS = ["sliding_attention", "full_attention"]
+# What each family's tiny checkpoint sets beyond TINY: the features that family brings, switched on.
+FAMILY_OPTIONS = {
+    "llama": {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 64}},
+    "mistral": {"sliding_window": WINDOW},
+    "qwen2": {"use_sliding_window": True, "sliding_window": WINDOW, "layer_types": TWO_KINDS},
+    "qwen3": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}},
+    "olmo2": {},
+    "granite": {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "logits_scaling": 8.0,
+                "attention_multiplier": 0.0078125},
+    "smollm3": {"no_rope_layers": [1, 0]},
+    "phi3": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}},
+    "starcoder2": {"use_bias": True, "sliding_window": WINDOW},
+    "gemma2": {"sliding_window": WINDOW, "query_pre_attn_scalar": 16, "layer_types": TWO_KINDS},
+    "gemma3_text": {"sliding_window": WINDOW, "query_pre_attn_scalar": 16, "layer_types": TWO_KINDS},
+}
+
+
+def tiny_family_config(model_type: str):
+    """A tiny config of `model_type`, from transformers' own config class, with the family's
+    features on (windows, soft-caps, multipliers, partial or no rotary, rope scalings)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(model_type, **TINY, **FAMILY_OPTIONS[model_type])
+
+
 # shape, tokenizer size (Llama 3's, before its specials: the checkpoint's vocabulary is padded past it)
 SHAPES = {"llama-3.2-1b": (llama_3_2_1b_config, 128000), "tiny-llama-3": (tiny_llama_3_config, 1024)}
 

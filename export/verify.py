@@ -199,6 +199,8 @@ def make_case(hf_model, batch: int, past: int, rng: np.random.Generator,
     """Rows of different past and new lengths (decode rows among prefill rows, shuffled), their
     cached K/V (from HF's own cache) in shuffled cache blocks among garbage blocks. `hf_model` is
     the reference: the checkpoint in float32."""
+    from transformers import DynamicCache
+
     cfg = hf_model.config
     layers, heads = cfg.num_hidden_layers, cfg.num_key_value_heads
     head_dim = hf_model.model.layers[0].self_attn.head_dim
@@ -213,8 +215,8 @@ def make_case(hf_model, batch: int, past: int, rng: np.random.Generator,
     rows, ref_logits, ref_kv, used = [], [], [], 0
     for i, (p, s) in enumerate(zip(past_lens, new_lens)):
         ids = torch.from_numpy(rng.integers(0, cfg.vocab_size, size=p + s))
-        with torch.no_grad():
-            full = hf_model(input_ids=ids[None].to(device), use_cache=True)
+        with torch.no_grad():  # a plain cache keeps every token, also of sliding-window layers
+            full = hf_model(input_ids=ids[None].to(device), past_key_values=DynamicCache(), use_cache=True)
         ref_logits.append(_numpy(full.logits[0, -1]))
         keys = np.stack([_numpy(layer.keys[0]) for layer in full.past_key_values.layers])  # [L,H,T,D]
         values = np.stack([_numpy(layer.values[0]) for layer in full.past_key_values.layers])

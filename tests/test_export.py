@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from batchstring.export import artifacts
-from batchstring.export.step import DecoderStep, UnsupportedModel, check_supported
+from batchstring.export.step import DecoderStep
 from batchstring.export.verify import VerificationError
 from tests.conftest import BATCHSTRING
 
@@ -135,16 +135,6 @@ def test_unsupported_architectures_are_refused_with_the_reason(tmp_path):
     assert out.returncode == 1
     assert "'gpt2' is not supported" in out.stderr and "llama" in out.stderr
     assert not (tmp_path / "o").exists()
-
-
-def test_sliding_window_and_dynamic_rope_are_refused():
-    from transformers import LlamaConfig, MistralConfig
-
-    with pytest.raises(UnsupportedModel, match="sliding-window"):
-        check_supported(MistralConfig(sliding_window=128, max_position_embeddings=4096))
-    cfg = LlamaConfig(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
-    with pytest.raises(UnsupportedModel, match="dynamic"):
-        check_supported(cfg)
 
 
 class _NullConsole:

@@ -1,0 +1,165 @@
+"""Every decoder family the step exports, each a tiny random checkpoint built with transformers'
+own config class (no download) with its family's features switched on (export/synthetic.py):
+sliding windows crossed by the verification's pasts, soft-caps, multipliers, q/k norms, partial
+and absent rotary, rope scalings. Norm weights and biases are randomised, so that a norm or a bias
+in the wrong place changes the logits.
+
+- In process, every family: the eager step and its TorchScript trace against HF's forward
+  (logits and new K/V over rows that cross windows, blocks and spans) and HF `generate`; and the
+  step in bfloat16 within the 16-bit export rule.
+- Through `batchstring export` (ONNX Runtime too) and a real server, families that between them
+  bring every feature that changes the graph's operators.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchstring.export.family import FAMILIES, UnsupportedModel, family_of
+from batchstring.export.synthetic import FAMILY_OPTIONS, random_checkpoint, tiny_family_config
+from tests.conftest import BATCHSTRING, start_server
+
+EOS = 0
+SERVED = ("gemma3_text", "starcoder2", "phi3")  # sandwich norms, q/k norm, windows, two rotary tables, GELU;
+# LayerNorm with biases and an MLP without a gate; fused projections and partial rotary
+
+
+class _NullConsole:
+    def print(self, *args, **kwargs) -> None:
+        pass
+
+
+def tiny_model(model_type: str, dtype: torch.dtype = torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_family_config(model_type)
+    config.eos_token_id = EOS
+    torch.manual_seed(5)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():  # norms start at 1 (or 0) and biases at 0: make each one matter
+        for name, parameter in model.named_parameters():
+            if name.endswith(".bias") or "norm" in name:
+                parameter.normal_(0.2 if name.endswith(".bias") else 1.0, 0.3)
+    return model.to(dtype).eval()
+
+
+def test_the_tiny_checkpoints_bring_their_familys_features():
+    """The features the tests rely on are really on (a config default changing would hide them)."""
+    from batchstring.export.family import features
+
+    expected = {"mistral": "sliding window 24 on 2/2", "qwen2": "sliding window 24 on 1/2", "qwen3": "rope yarn",
+                "olmo2": "q/k norm (all)", "granite": "logits_scaling 8", "smollm3": "no rotary on 1/2",
+                "phi3": "partial rotary 0.75", "starcoder2": "sliding window 24 on 2/2",
+                "gemma2": "attn_logit_softcapping 50", "gemma3_text": "a rotary table per layer type",
+                "llama": "rope llama3"}
+    assert set(expected) == set(FAMILY_OPTIONS) == set(FAMILIES)
+    for model_type, feature in expected.items():
+        found = ", ".join(features(tiny_model(model_type)))
+        assert feature in found, (model_type, found)
+
+
+@pytest.mark.parametrize("model_type", list(FAMILY_OPTIONS))
+def test_each_familys_step_reproduces_the_hf_forward_and_generate(model_type, tmp_path):
+    from batchstring.export import artifacts
+    from batchstring.export.exporter import _eager, report, torchscript_step
+    from batchstring.export.step import DecoderStep
+    from batchstring.export.verify import verify_greedy, verify_logits
+
+    model = tiny_model(model_type)
+    step = DecoderStep(model, [EOS]).eval()
+    artifacts.write_torchscript(step, tmp_path / "model.pt")
+    runtimes = {"eager step": _eager(step), "torchscript": torchscript_step(tmp_path / "model.pt", step.dtype)}
+    cases = verify_logits(model, runtimes, [EOS])
+    greedy = verify_greedy(model, lambda text: list(text.encode()), [EOS], runtimes)
+    worst = report(_NullConsole(), cases, greedy)  # raises past the tolerance or on any greedy difference
+    assert max(worst.values()) < 1e-4
+
+
+@pytest.mark.parametrize("model_type", list(FAMILY_OPTIONS))
+def test_each_familys_step_in_bfloat16_stays_within_the_16_bit_rule(model_type):
+    from batchstring.export.exporter import _eager
+    from batchstring.export.step import DecoderStep
+    from batchstring.export.verify import tolerance_failures, verify_logits
+
+    truth, half = tiny_model(model_type), tiny_model(model_type, torch.bfloat16)
+    cases = verify_logits(truth, {"eager step": _eager(DecoderStep(half, [EOS]).eval())}, [EOS], relative=True,
+                          hf_16bit=half, cases=[(3, 17), (8, 100)])
+    assert not tolerance_failures(cases, "bfloat16")
+
+
+def test_a_wrong_window_is_caught_by_the_verification():
+    """The windows are checked, not only present: a window off by one fails the rule."""
+    from batchstring.export.exporter import _eager
+    from batchstring.export.step import DecoderStep
+    from batchstring.export.verify import tolerance_failures, verify_logits
+
+    model = tiny_model("mistral")
+    step = DecoderStep(model, [EOS]).eval()
+    step.plans = [plan._replace(window=plan.window + 1) for plan in step.plans]
+    step.windows = sorted({plan.window for plan in step.plans})
+    assert tolerance_failures(verify_logits(model, {"step": _eager(step)}, [EOS], cases=[(3, 100)]), "float32")
+
+
+@pytest.mark.parametrize(("model_type", "missing"), [("qwen3_moe", "mixture-of-experts"), ("mixtral", "mixture"),
+                                                      ("gpt_oss", "attention sinks"), ("gpt2", "not supported")])
+def test_families_we_do_not_export_are_refused_naming_what_is_missing(model_type, missing):
+    from transformers import AutoConfig
+
+    with pytest.raises(UnsupportedModel, match=missing) as refused:
+        family_of(AutoConfig.for_model(model_type))
+    assert "gemma3_text" in str(refused.value), "the refusal lists what is supported"
+
+
+def test_rope_that_changes_with_the_sequence_is_refused():
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(UnsupportedModel, match="dynamic"):
+        family_of(config)
+
+
+# ----- exported and served ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=SERVED)
+def family_export(request, tmp_path_factory) -> tuple[str, Path, Path]:
+    model_type = request.param
+    checkpoint = tmp_path_factory.mktemp(f"{model_type}-checkpoint")
+    config = tiny_family_config(model_type)
+    random_checkpoint(checkpoint, config, seed=1)
+    out = tmp_path_factory.mktemp(f"{model_type}-export")
+    result = subprocess.run([*BATCHSTRING, "export", "--model", str(checkpoint), "--out", str(out),
+                             "--dtype", "float32"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"{model_type}:" in result.stdout and "onnxruntime" in result.stdout
+    return model_type, checkpoint, out
+
+
+def test_a_familys_greedy_tokens_through_a_real_server_equal_hf_generate(request, family_export, tmp_path_factory):
+    """`/v1/completions` on the exported family, greedy, past the window: the text HF `generate`'s
+    tokens make."""
+    import openai
+    from transformers import AutoModelForCausalLM
+
+    from batchstring.engine.tokenizer import TextCodec
+    from batchstring.server.repository import repository_for
+
+    model_type, checkpoint, exported = family_export
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
+    codec = TextCodec.from_file(checkpoint / "tokenizer.json")
+    repository = repository_for(exported, tmp_path_factory.mktemp(f"{model_type}-repository"))
+    server = start_server(request, f"family-{model_type}", config="cpu", repository=repository)
+    api = openai.OpenAI(base_url=f"http://{server.http_url}/v1", api_key="unused", max_retries=0)
+    for prompt in ("def parse(text):\n    return", "The quick brown fox"):
+        ids = codec.encode(prompt)
+        with torch.no_grad():
+            expected = hf.generate(torch.tensor([ids]), max_new_tokens=40, min_new_tokens=40, do_sample=False,
+                                   eos_token_id=hf.config.eos_token_id,
+                                   pad_token_id=hf.config.eos_token_id)[0, len(ids):].tolist()
+        done = api.completions.create(model="llm", prompt=prompt, max_tokens=40, temperature=0,
+                                      extra_body={"min_tokens": 40})
+        assert done.choices[0].text == codec.decode(expected), (model_type, prompt)

@@ -13,7 +13,7 @@ from batchstring.client import cli as client_cli
 # name -> (module, arguments function, run function, help)
 COMMANDS = {
     "export": ("batchstring.export.cli", "add_export_arguments", "run_export",
-               "export a HF Llama-family checkpoint to the model repository, verified"),
+               "export a HF decoder checkpoint (see the README's families) to the model repository, verified"),
     "train": ("batchstring.export.cli", "add_train_arguments", "run_train",
               "retrain the shipped default model from the Python stdlib (~11 min)"),
     "serve": ("batchstring.server.serve", "add_arguments", "run",

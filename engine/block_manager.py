@@ -33,12 +33,13 @@ from batchstring.engine.sequence import Sequence
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, max_rows: int, max_tokens_per_seq: int,
-                 prefix_caching: bool = True) -> None:
+                 prefix_caching: bool = True, window: int | None = None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("the KV cache needs at least one block of at least one token")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.prefix_caching = prefix_caching
+        self.window = window  # every layer's keys reach at most this far back: older blocks are given up
         self._plain = list(range(num_blocks - 1, -1, -1))  # free, no contents; pop() hands out low numbers first
         self._cached: OrderedDict[int, None] = OrderedDict()  # free with contents, least recently freed first
         self._refs = [0] * num_blocks
@@ -135,7 +136,32 @@ class BlockManager:
         self.table.write(seq.row, start, blocks)
 
     def release(self, seq: Sequence) -> None:
-        for block in reversed(seq.blocks):
+        self._free(reversed(seq.blocks[seq.dropped:]))
+        seq.blocks = []
+        seq.dropped = 0
+        seq.committed = 0
+        seq.num_cached = 0
+        if seq.row is not None:
+            self._free_rows.append(seq.row)
+            seq.row = None
+
+    def slide(self, seq: Sequence) -> None:
+        """Gives up the sequence's leading blocks that no layer's window reaches any more (a model
+        whose every layer has a sliding window: Mistral, StarCoder2). A query at position q sees
+        keys past q - window, and every later query of the sequence sits at num_cached or beyond.
+        Its table row keeps pointing at the blocks given up: the step reads them there and masks
+        them, whoever holds them now. With prefix caching, only blocks already made findable go:
+        they stay findable until their space is needed, as any freed block does."""
+        if self.window is None:
+            return
+        reachable = max(0, (seq.num_cached - self.window + 1) // self.block_size)
+        end = min(reachable, seq.committed) if self.prefix_caching else reachable
+        if end > seq.dropped:
+            self._free(seq.blocks[seq.dropped:end])
+            seq.dropped = end
+
+    def _free(self, blocks) -> None:
+        for block in blocks:
             self._refs[block] -= 1
             if self._refs[block]:
                 continue
@@ -143,12 +169,6 @@ class BlockManager:
                 self._plain.append(block)
             else:
                 self._cached[block] = None
-        seq.blocks = []
-        seq.committed = 0
-        seq.num_cached = 0
-        if seq.row is not None:
-            self._free_rows.append(seq.row)
-            seq.row = None
 
     # ----- the prefix cache --------------------------------------------------------------------
 

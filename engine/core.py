@@ -46,7 +46,7 @@ class EngineCore:
                                   f"max_input_bytes auto: {INPUT_BYTES_PER_TOKEN} bytes per token of the model's "
                                   f"{self.spec.context_length}-token context")
         blocks = BlockManager(num_blocks, config.block_size, config.max_num_seqs, self.max_len,
-                              config.enable_prefix_caching)
+                              config.enable_prefix_caching, self.spec.window)
         self.stats = EngineStats()
         self.speculator = Speculator(config.speculative_tokens, config.speculative_step_tokens,
                                      self.spec.eos_token_ids, self.stats)

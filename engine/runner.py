@@ -46,6 +46,7 @@ class RuntimeSpec:
     num_heads: int = 0
     hidden_size: int = 0
     intermediate_size: int = 0
+    sliding_windows: tuple[int | None, ...] = ()  # per layer (None: every past token)
 
     @classmethod
     def load(cls, path: Path) -> RuntimeSpec:
@@ -58,7 +59,13 @@ class RuntimeSpec:
         return cls(raw["num_layers"], raw["num_kv_heads"], raw["head_dim"], raw["vocab_size"], raw["context_length"],
                    tuple(raw["eos_token_ids"]), tuple(raw["inputs"]), raw.get("dtype", "float32"),
                    raw.get("sampling_defaults", {}), raw["num_heads"], hidden,
-                   raw.get("intermediate_size", 4 * hidden))
+                   raw.get("intermediate_size", 4 * hidden), tuple(raw.get("sliding_windows", ())))
+
+    @property
+    def window(self) -> int | None:
+        """How far back any layer reads, if every layer has a sliding window (else None)."""
+        windows = self.sliding_windows
+        return max(windows) if windows and all(windows) else None
 
     @property
     def dtype_bytes(self) -> int:

@@ -288,6 +288,7 @@ class Scheduler:
             seq.num_cached += w.new
             if self.blocks.prefix_caching and seq.num_cached // size > seq.committed:
                 self.blocks.commit(seq)
+            self.blocks.slide(seq)
         return ended
 
 

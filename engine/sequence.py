@@ -37,6 +37,7 @@ class Sequence:
     blocks: list[int] = field(default_factory=list)
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its leading full blocks (a memo)
     committed: int = 0  # leading blocks it has made findable in the prefix cache
+    dropped: int = 0  # leading blocks it gave up, outside every layer's sliding window
     priority: int = 1  # 1: interactive; higher: background (Batch API lines), which gives way to 1
     cache_salt: bytes = b""  # keys its prefix-cache blocks: only sequences with the same salt share them
     row: int | None = None  # its row in the block manager's table while it holds blocks

@@ -7,10 +7,12 @@ that have only torch, transformers, tokenizers, safetensors and numpy.
 from __future__ import annotations
 
 import contextlib
+import gc
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,9 +26,11 @@ from batchstring.export.step import DecoderStep, check_supported
 from batchstring.export.verify import (
     HF_16BIT,
     TOLERANCE,
+    CaseResult,
     SingleGroup,
     StepFn,
     VerificationError,
+    greedy_references,
     limit,
     tolerance_failures,
     verify_greedy,
@@ -48,6 +52,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json")
 
 
+Loader = Callable[[], "StepFn | None"]  # a runtime loaded when its turn comes; None: it cannot run here
 DTYPES = ("float32", "float16", "bfloat16")
 CACHES = ("key_cache", "value_cache")
 
@@ -134,27 +139,62 @@ def torchscript_step(path: Path, dtype: torch.dtype, device: str = "cpu") -> Ste
     return run
 
 
-def _verified_runtimes(step: DecoderStep, scratch: Path, dtype: str, console: Console) -> dict[str, StepFn]:
-    """What runs here, in `dtype`: the eager step and TorchScript always; ONNX Runtime's CPU
-    provider where it has the kernels (float32, float16). A bfloat16 ONNX graph is checked
-    structurally here and numerically by `make gpu-check`."""
-    runtimes = {"eager step": _eager(step), "torchscript": torchscript_step(scratch / "model.pt", step.dtype)}
-    try:
-        if dtype == "bfloat16":
-            raise NotImplementedError("no bfloat16 kernels in onnxruntime's CPU provider")
-        onnx_run = _onnx(scratch / "model.onnx", dtype)
-        example = {n: t.float().numpy() if t.is_floating_point() else t.numpy()
-                   for n, t in zip(artifacts.INPUT_NAMES, artifacts.example_inputs(step))}
-        onnx_run(**example)  # kernels missing for this dtype show up here, not mid-verification
-        runtimes["onnxruntime"] = onnx_run
-        if (scratch / SMALL_STEP_GRAPH).exists():
-            runtimes["onnxruntime, small steps"] = SingleGroup(_onnx(scratch / SMALL_STEP_GRAPH, dtype))
-    except Exception as exc:  # any refusal to load or run: say so, and check the graph instead
-        check_onnx_structure(scratch / "model.onnx", dtype)
-        console.print(f"[yellow]onnxruntime (CPU) cannot run the {dtype} graph here ({str(exc)[:200]}); its "
-                      f"structure was checked (onnx.checker; weights and cache in {dtype}); `make gpu-check` "
-                      "runs it on a GPU[/]")
-    return runtimes
+def _runtime_loaders(step: DecoderStep, scratch: Path, dtype: str, console: Console) -> dict[str, Loader]:
+    """What runs here, in `dtype`, each loaded when its turn comes (see `_verify_each`): the eager
+    step and TorchScript always; ONNX Runtime's CPU provider where it has the kernels (float32,
+    float16). A bfloat16 ONNX graph is checked structurally here and numerically by `make gpu-check`."""
+    loaders: dict[str, Loader] = {"eager step": lambda: _eager(step),
+                                  "torchscript": lambda: torchscript_step(scratch / "model.pt", step.dtype)}
+    example = {n: t.float().numpy() if t.is_floating_point() else t.numpy()
+               for n, t in zip(artifacts.INPUT_NAMES, artifacts.example_inputs(step))}
+
+    def onnx(path: Path, small: bool) -> StepFn | None:
+        try:
+            if dtype == "bfloat16":
+                raise NotImplementedError("no bfloat16 kernels in onnxruntime's CPU provider")
+            run = _onnx(path, dtype)
+            if not small:  # (the small graph takes a small step's packing: engine/batch.py)
+                run(**example)  # kernels missing for this dtype show up here, not mid-verification
+        except Exception as exc:  # any refusal to load or run: say so, and check the graph instead
+            check_onnx_structure(path, dtype)
+            console.print(f"[yellow]onnxruntime (CPU) cannot run the {dtype} graph here ({str(exc)[:200]}); its "
+                          f"structure was checked (onnx.checker; weights and cache in {dtype}); `make gpu-check` "
+                          "runs it on a GPU[/]")
+            return None
+        return SingleGroup(run) if small else run
+
+    loaders["onnxruntime"] = lambda: onnx(scratch / "model.onnx", False)
+    if (scratch / SMALL_STEP_GRAPH).exists():
+        loaders["onnxruntime, small steps"] = lambda: onnx(scratch / SMALL_STEP_GRAPH, True)
+    return loaders
+
+
+def _verify_each(loaders: dict[str, Loader], truth, hf_model, encode, eos: list[int],
+                 dtype: str) -> tuple[list[CaseResult], dict[str, dict[str, bool]]]:
+    """Each runtime against HF, one at a time, each freed before the next loads: a runtime holds
+    its own copy of the weights, and a 1.7B-parameter float32 model's four copies would not fit
+    beside HF's on a 24 GiB machine. `truth`: the float32 reference; `hf_model`: the checkpoint in
+    the export's dtype (the same model in float32). The same seed makes the same cases for each."""
+    references = greedy_references(hf_model, encode, eos)
+    cases: list[CaseResult] = []
+    greedy: dict[str, dict[str, bool]] = {prompt: {} for prompt in references}
+    for name, load in loaders.items():
+        run = load()
+        if run is None:
+            continue
+        exact = dtype == "float32"
+        part = verify_logits(truth, {name: run}, eos, relative=not exact,
+                             hf_16bit=None if exact or cases else hf_model)
+        for prompt, ok in verify_greedy(hf_model, encode, eos, {name: run}, references=references).items():
+            greedy[prompt] |= ok
+        cases = part if not cases else [_merged(c, p) for c, p in zip(cases, part)]
+        del run
+        gc.collect()
+    return cases, greedy
+
+
+def _merged(case: CaseResult, more: CaseResult) -> CaseResult:
+    return replace(case, max_diff=case.max_diff | more.max_diff, sampled=case.sampled | more.sampled)
 
 
 def check_onnx_structure(path: Path, dtype: str) -> None:
@@ -212,7 +252,7 @@ def export_model(
         raise SystemExit(f"--dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
     source = Path(source or DEFAULT_MODEL_DIR).resolve()
     started = time.monotonic()
-    stages = Stages(console, 5)
+    stages = Stages(console, 4)
     with stages.stage(f"load {source.name} in {dtype}"):
         hf_model = load_checkpoint(source, dtype)
         step, eos = decoder_step(hf_model, source)
@@ -227,16 +267,12 @@ def export_model(
             artifacts.write_torchscript(step, scratch / "model.pt")
         write_model_files(step, hf_model, eos, source, scratch)
         codec = TextCodec.from_file(source / "tokenizer.json")
-        with stages.stage("load the runtimes"):
-            runtimes = _verified_runtimes(step, scratch, dtype, console)
-        with stages.stage(f"verify against the Hugging Face forward (float32 truth, {dtype} beside it)"):
-            greedy = verify_greedy(hf_model, codec.encode, eos, runtimes)
-            if dtype == "float32":
-                cases = verify_logits(hf_model, runtimes, eos)
-            else:  # the truth in float32 beside the 16-bit copy: ~3x the 16-bit weights, for this stage
-                truth = load_checkpoint(source, "float32")
-                cases = verify_logits(truth, runtimes, eos, relative=True, hf_16bit=hf_model)
-                del truth
+        with stages.stage(f"verify each runtime against the Hugging Face forward (float32 truth, {dtype} beside it)"):
+            # 16 bits: the truth in float32 beside the 16-bit copy, ~3x the 16-bit weights, for this stage
+            truth = hf_model if dtype == "float32" else load_checkpoint(source, "float32")
+            cases, greedy = _verify_each(_runtime_loaders(step, scratch, dtype, console), truth, hf_model,
+                                         codec.encode, eos, dtype)
+            del truth
         max_diff = report(console, cases, greedy, dtype)
         out_dir.mkdir(parents=True, exist_ok=True)
         for optional in ("model.onnx.data", SMALL_STEP_GRAPH, f"{SMALL_STEP_GRAPH}.data"):  # an earlier export's
@@ -294,7 +330,7 @@ def report(console: Console, cases, greedy: dict[str, dict[str, bool]], dtype: s
         ids = [f"{eq}/{n}" + (f" ({ties})" if ties else "") for n, eq, ties in c.sampled.values()]
         table.add_row(str(c.batch), str(c.past), *cells, *ids)
     console.print(table)
-    g = Table(title=f"greedy 32 tokens: identical to HF generate in {dtype}?")
+    g = Table(title=f"greedy 32 tokens: identical to HF generate in {dtype} (up to its first near-tie)?")
     g.add_column("prompt")
     for name in names:
         g.add_column(name, justify="center")

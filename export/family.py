@@ -27,6 +27,9 @@ class Family:
 
     norms: tuple[tuple[str | None, str | None], ...] = PRE
     qk_norm: str | None = None  # "head": each head's queries/keys (Qwen3, Gemma 3); "all": all heads at once (OLMo 2)
+    # How a mixture's experts are stored: "stacked" [E, 2f, d] gate then up (Qwen3-MoE, Mixtral);
+    # "interleaved" [E, d, 2f] gate and up alternating, with biases and a clamped GLU (gpt-oss)
+    experts: str = "stacked"
     verified: str = "logits, new K/V and greedy tokens against HF, in tests (tests/test_families.py)"
 
 
@@ -42,16 +45,16 @@ FAMILIES: dict[str, Family] = {
     "starcoder2": Family(),
     "gemma2": Family(norms=SANDWICH),
     "gemma3_text": Family(norms=SANDWICH, qk_norm="head"),
+    "qwen3_moe": Family(qk_norm="head"),
+    "mixtral": Family(),
+    "gpt_oss": Family(experts="interleaved"),
 }
 
 # Known families whose missing feature we can name (anything else: "model_type ... is not supported").
 MISSING = {
-    "qwen3_moe": "mixture-of-experts layers",
-    "qwen2_moe": "mixture-of-experts layers",
-    "mixtral": "mixture-of-experts layers",
-    "gpt_oss": "mixture-of-experts layers and attention sinks",
+    "qwen2_moe": "shared experts beside the routed ones",
     "gemma3": "the vision tower (export the text model, model_type gemma3_text)",
-    "phimoe": "mixture-of-experts layers",
+    "phimoe": "its sparsemixer routing",
 }
 UNSUPPORTED_ROPE = {
     "dynamic": "its frequencies change with the sequence's length",
@@ -129,6 +132,8 @@ def features(hf_model) -> list[str]:
         found.append("norms " + ("around each sublayer" if family.norms == SANDWICH else "after each sublayer"))
     if family.qk_norm:
         found.append(f"q/k norm ({family.qk_norm})")
+    if hasattr(hf_model.model.layers[0].self_attn, "sinks"):
+        found.append("attention sinks")
     windows = sorted({p.window for p in plans if p.window})
     if windows:
         local = sum(p.window is not None for p in plans)
@@ -142,6 +147,11 @@ def features(hf_model) -> list[str]:
         value = getattr(config, name, None)
         if value not in (None, 1.0):
             found.append(f"{name} {value:g}")
+    mixtures = [layer.mlp for layer in hf_model.model.layers if hasattr(layer.mlp, "experts")]
+    if mixtures:
+        router = getattr(mixtures[0], "gate", None) or mixtures[0].router
+        found.append(f"{mixtures[0].experts.num_experts} experts, top-{router.top_k} "
+                     f"on {len(mixtures)}/{len(plans)} layers")
     for params in _rope_parameters(config):
         if params.get("rope_type", "default") != "default":
             found.append(f"rope {params['rope_type']}")

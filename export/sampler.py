@@ -43,8 +43,9 @@ BLOCK = 256  # tokens per block of the two-level inverse CDF
 
 class SamplingHead(nn.Module):
     def __init__(self, vocab_size: int, eos_ids: list[int], never_ids: list[int] = (),
-                 candidates: int = CANDIDATES) -> None:
+                 candidates: int = CANDIDATES, branches: bool = True) -> None:
         super().__init__()
+        self.branches = branches
         self.vocab_size = vocab_size
         self.candidates = min(candidates, vocab_size)
         self.top_n = min(TOP_LOGPROBS, self.candidates)
@@ -63,10 +64,12 @@ class SamplingHead(nn.Module):
         adjustment: a greedy step skips the head's ~130 operators, and one whose rows follow a
         grammar or have EOS banned (`_greedy`) applies those first, in a dozen more. Exported
         (torch.export, ONNX) these are `If`s on the inputs' shapes; a TorchScript trace records no
-        control flow, so it keeps the whole head, which gives the same tokens."""
+        control flow, so it keeps the whole head, which gives the same tokens. Without `branches`
+        the export keeps it too: torch 2.13's ONNX exporter cannot put an `If` after operators
+        whose output sizes depend on data (a mixture's routing, export/mixture.py)."""
         adjust_rows = rest[7]  # in `_choose`'s order
         operands = (logits, ban_rows, sample_rows, *rest)
-        if torch.jit.is_tracing():
+        if torch.jit.is_tracing() or (torch.compiler.is_exporting() and not self.branches):
             return self._choose(*operands)
         greedy = sample_rows.shape[0] + adjust_rows.shape[0] == 0
         if not torch.compiler.is_exporting():

@@ -90,6 +90,7 @@ import torch
 from torch import nn
 
 from batchstring.export.family import Family, UnsupportedModel, family_of, layer_plans, rotary_tables
+from batchstring.export.mixture import Mixture
 from batchstring.export.sampler import SamplingHead
 
 __all__ = ["DecoderStep", "UnsupportedModel", "check_supported"]
@@ -146,7 +147,8 @@ class DecoderStep(nn.Module):
         self.register_buffer("head_scale", head_scale[None, :, None].to(self.dtype), persistent=False)
         self.register_buffer("value_heads", value_heads[None, :, None].to(self.dtype), persistent=False)
         self.vocab_size = min(vocab_size or self.lm_head.out_features, self.lm_head.out_features)
-        self.sampler = SamplingHead(self.vocab_size, list(eos_ids), list(never_ids))
+        self.sampler = SamplingHead(self.vocab_size, list(eos_ids), list(never_ids),
+                                    branches=all(layer.mixture is None for layer in self.layers))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -223,7 +225,7 @@ class DecoderStep(nn.Module):
                 past = [torch.index_select(flat, 0, blocks).view(kv_heads, -1, span, dim)
                         for flat in (flat_keys, flat_values)]  # [H, P, C * bs, D]
                 q_g, k_g, v_g = _take(qkv, group.tokens).split((q_heads, kv_heads, kv_heads), dim=2)
-                outs.append(self._attention(q_g, k_g, v_g, group, *past))
+                outs.append(self._attention(q_g, k_g, v_g, group, *past, layer.sinks))
             attended = layer.o_proj(torch.index_select(torch.cat(outs, 1), 1, token_order))
             h = h + self._residual(_norm(layer.attn_post_norm, attended))
             mlp = layer.mlp(_norm(layer.mlp_norm, h))
@@ -323,31 +325,38 @@ class DecoderStep(nn.Module):
         """[H * P * C]: layer 0's flat block index of every pair's blocks, per kv head."""
         return (self.kv_head_index * num_blocks + blocks[None]).reshape(-1)
 
-    def _attention(self, q, k, v, group: PagedGroup, past_k, past_v):
+    def _attention(self, q, k, v, group: PagedGroup, past_k, past_v, sinks: torch.Tensor | None):
         """Grouped-query attention of one group; q [B, S, Hq, D] (already scaled), k/v [B, S, H, D],
         past [H, P, C * bs, D] (each pair's blocks). Returns [1, B * S, Hq * D] in the group's (row,
-        position) order."""
+        position) order. `sinks` [Hq] (gpt-oss): a logit per query head that joins every softmax's
+        denominator, as one more key whose value is zero."""
         b, s = q.shape[:2]
         heads, group_size, dim = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
         q = q.view(b, s, heads, group_size, dim).permute(2, 0, 1, 3, 4).reshape(heads, b, s * group_size, dim)
         k, v = k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)  # [H, B, S, D]
+        sink = None if sinks is None else (
+            sinks.float().view(heads, 1, 1, group_size).expand(-1, -1, s, -1).reshape(heads, 1, s * group_size, 1))
         attend = self._attention_rows if group.pair_row is None else self._attention_pairs
-        out = attend(q, k, v, group, past_k, past_v).view(heads, b, s, group_size, dim)  # [H, B, Q, D]
+        out = attend(q, k, v, group, past_k, past_v, sink).view(heads, b, s, group_size, dim)  # [H, B, Q, D]
         return out.permute(1, 2, 0, 3, 4).reshape(1, b * s, self.num_heads * dim)
 
-    def _attention_rows(self, q, k, v, group: PagedGroup, past_k, past_v):
+    def _attention_rows(self, q, k, v, group: PagedGroup, past_k, past_v, sink):
         """One pair per row (the single-group graph): one softmax over each row's span and its new
         tokens, with no scatter. A small step is a few rows of similar length, and on a CPU its
         time goes to the number of operators (engine/batch.py sends such steps here only when one
         span per row wastes little)."""
         span = past_k.shape[2]
         scores = torch.cat((torch.matmul(q, past_k.transpose(-1, -2)), torch.matmul(q, k.transpose(-1, -2))), dim=-1)
-        scores = self._capped(scores.float())
-        probs = torch.softmax(scores + group.past_bias, dim=-1).to(v.dtype)  # [H, B, Q, C * bs + S]
+        scores = self._capped(scores.float()) + group.past_bias
+        if sink is not None:
+            scores = torch.cat((scores, sink.expand(-1, scores.shape[1], -1, -1)), dim=-1)
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)  # [H, B, Q, C * bs + S (+ 1)]
         on_past, on_new = probs.split((span, probs.shape[3] - span), dim=-1)
+        if sink is not None:
+            v = torch.cat((v, torch.zeros_like(v[:, :, :1])), dim=2)
         return torch.matmul(on_past, past_v) + torch.matmul(on_new, v)
 
-    def _attention_pairs(self, q, k, v, group: PagedGroup, past_k, past_v):
+    def _attention_pairs(self, q, k, v, group: PagedGroup, past_k, past_v, sink):
         """Attention over pairs; q [H, B, Q, D] (Q = S x G queries per row and kv head), k/v [H, B, S, D].
 
         Every query of a row meets each of the row's pairs in one matrix multiply; the row's
@@ -362,6 +371,9 @@ class DecoderStep(nn.Module):
         past_scores = self._capped(torch.matmul(queries, past_k.transpose(-1, -2)).float())
         past_scores = past_scores + group.past_bias  # [H, P, Q, C * bs]
         new_scores = self._capped(torch.matmul(q, k.transpose(-1, -2)).float()) + group.new_bias  # [H, B, Q, S]
+        if sink is not None:
+            new_scores = torch.cat((new_scores, sink.expand(-1, new_scores.shape[1], -1, -1)), dim=-1)
+            v = torch.cat((v, torch.zeros_like(v[:, :, :1])), dim=2)
         top = new_scores.amax(-1, keepdim=True).scatter_reduce(  # [H, B, Q, 1]: each query's max
             1, group.scatter, past_scores.amax(-1, keepdim=True), reduce="amax", include_self=True)
         past_probs = torch.exp(past_scores - torch.index_select(top, 1, group.pair_row))
@@ -410,11 +422,14 @@ class StepLayer(nn.Module):
         self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         self.qkv = getattr(attn, "qkv_proj", None) or _fused_linear(attn.q_proj, attn.k_proj, attn.v_proj)
         self.o_proj = attn.o_proj
-        if hasattr(mlp, "c_fc"):  # no gate: down(act(up(x)))
-            self.gate_up, self.down_proj, self.act_fn, self.gated = mlp.c_fc, mlp.c_proj, mlp.act, False
-        else:
+        self.sinks = getattr(attn, "sinks", None)
+        self.mixture = Mixture(mlp, family.experts) if hasattr(mlp, "experts") else None  # export/mixture.py
+        self.gated = not hasattr(mlp, "c_fc")
+        if not self.gated:  # down(act(up(x)))
+            self.gate_up, self.down_proj, self.act_fn = mlp.c_fc, mlp.c_proj, mlp.act
+        elif self.mixture is None:
             self.gate_up = getattr(mlp, "gate_up_proj", None) or _fused_linear(mlp.gate_proj, mlp.up_proj)
-            self.down_proj, self.gated = mlp.down_proj, True
+            self.down_proj = mlp.down_proj
             self.act_fn = getattr(mlp, "act_fn", None) or mlp.activation_fn
 
     def project(self, x: torch.Tensor, q_heads: int, kv_heads: int, dim: int) -> torch.Tensor:
@@ -431,6 +446,8 @@ class StepLayer(nn.Module):
         return qkv
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mixture is not None:
+            return self.mixture(x)
         if not self.gated:
             return self.down_proj(self.act_fn(self.gate_up(x)))
         gate, up = self.gate_up(x).chunk(2, dim=-1)

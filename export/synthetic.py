@@ -103,6 +103,20 @@ def tiny_llama_3_config():
                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 256})
 
 
+def gemma_3_1b_config():
+    """Gemma 3 1B's published shape: 1.0 B parameters, a 262k vocabulary, tied embeddings, five
+    sliding-window layers (512) to every global one, two rotary tables, q/k norms, GELU."""
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                            num_attention_heads=4, num_key_value_heads=1, head_dim=256, max_position_embeddings=32768,
+                            sliding_window=512, query_pre_attn_scalar=256, rms_norm_eps=1e-6,
+                            layer_types=((["sliding_attention"] * 5 + ["full_attention"]) * 5)[:26],
+                            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                             "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+                            tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=256, bos_token_id=None, eos_token_id=None,
             pad_token_id=None)
@@ -123,7 +137,26 @@ FAMILY_OPTIONS = {
     "starcoder2": {"use_bias": True, "sliding_window": WINDOW},
     "gemma2": {"sliding_window": WINDOW, "query_pre_attn_scalar": 16, "layer_types": TWO_KINDS},
     "gemma3_text": {"sliding_window": WINDOW, "query_pre_attn_scalar": 16, "layer_types": TWO_KINDS},
+    "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+                  "mlp_only_layers": [1]},
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": WINDOW},
+    "gpt_oss": {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": WINDOW, "layer_types": TWO_KINDS,
+                "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                 "truncate": False, "original_max_position_embeddings": 64}},
 }
+
+
+def mixture_pair() -> dict:
+    """Qwen3-MoE (8 experts of 1024, top-2) and dense Qwen3 whose MLP is as wide as two experts:
+    the same active parameters per token, the MLP most of them (the `moe` benchmark)."""
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    shape = dict(vocab_size=4096, hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                 head_dim=64, max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=None,
+                 eos_token_id=None, pad_token_id=None)
+    return {"dense": Qwen3Config(**shape, intermediate_size=2048),
+            "mixture": Qwen3MoeConfig(**shape, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=1024,
+                                      norm_topk_prob=True)}
 
 
 def tiny_family_config(model_type: str):
@@ -135,7 +168,8 @@ def tiny_family_config(model_type: str):
 
 
 # shape, tokenizer size (Llama 3's, before its specials: the checkpoint's vocabulary is padded past it)
-SHAPES = {"llama-3.2-1b": (llama_3_2_1b_config, 128000), "tiny-llama-3": (tiny_llama_3_config, 1024)}
+SHAPES = {"llama-3.2-1b": (llama_3_2_1b_config, 128000), "tiny-llama-3": (tiny_llama_3_config, 1024),
+          "gemma-3-1b": (gemma_3_1b_config, 262144)}
 
 
 def main(argv: list[str] | None = None) -> None:

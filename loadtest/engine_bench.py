@@ -39,12 +39,12 @@ from batchstring.engine.sampling import SamplingParams
 from batchstring.engine.sequence import Sequence
 from batchstring.engine.serving import ServingEngine
 from batchstring.export.layout import MODEL_VERSION_DIR
-from batchstring.loadtest import host_overhead, interference, long_context
+from batchstring.loadtest import host_overhead, interference, long_context, mixture_bench
 from batchstring.loadtest.workload import Item, mixed
 
 MODES = ("static", "continuous")
 CEILING_BATCHES = (1, 2, 4, 8, 16, 32, 64)
-SECTIONS = ("scheduling", "ceiling", "host", "vocab", "interference", "long", "ops")
+SECTIONS = ("scheduling", "ceiling", "host", "vocab", "interference", "long", "ops", "moe")
 VOCAB = 128256  # Llama 3's vocabulary size
 
 
@@ -227,6 +227,15 @@ def run(args: argparse.Namespace) -> int:
         ops = long_context.operators(model_dir)
         report_ops(console, ops)
         report_data["ops"] = ops
+    if "moe" in sections:
+        models = mixture_bench.mixture_models()
+        runtimes = ("onnxruntime", "torchscript")
+        bar = tqdm(total=2 * 5 * len(mixture_bench.BATCHES) * len(runtimes), desc="mixture vs dense", unit="run",
+                   leave=False)
+        ratios = [r for runtime in runtimes for r in mixture_bench.compare(models, runtime, progress=bar.update)]
+        bar.close()
+        report_mixture(console, ratios)
+        report_data["moe"] = [{**asdict(r), "ratio": r.ratio} for r in ratios]
     if args.profile:
         console.print(host_overhead.profile_host(model_dir, out=args.profile))
         console.print(f"cProfile stats written to {args.profile} (python -m pstats {args.profile})")
@@ -299,6 +308,16 @@ def report_long(console: Console, decode: dict[str, list[long_context.DecodeRati
     console.print(table)
     console.print(f"host time to build a step's inputs, {rows} decoding rows: {host.long:,}-token pasts "
                   f"{host.long_us:.0f} µs, {host.short}-token pasts {host.short_us:.0f} µs ({host.ratio:.2f}x)")
+
+
+def report_mixture(console: Console, ratios: list[mixture_bench.MixtureRatio]) -> None:
+    table = Table(title=f"decode step: Qwen3-MoE (8 experts, top-2) against dense Qwen3 of the same active "
+                        f"parameters, {mixture_bench.PAST}-token pasts (median of runs taking turns)")
+    for col in ("runtime", "rows", "dense", "mixture", "ratio"):
+        table.add_column(col, justify="right")
+    for r in ratios:
+        table.add_row(r.runtime, str(r.rows), f"{r.dense_ms:.2f} ms", f"{r.mixture_ms:.2f} ms", f"{r.ratio:.2f}x")
+    console.print(table)
 
 
 def report_ops(console: Console, ops: dict[str, dict[int, int]]) -> None:

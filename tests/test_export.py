@@ -45,7 +45,7 @@ def test_export_writes_the_repository_files_and_prints_the_table(exported_tiny):
         {p.name for p in out.iterdir()}
     spec = json.loads((out / "runtime.json").read_text())
     assert spec["dtype"] == "float32" and spec["sampling_defaults"] == {}
-    for stage in ("[1/5] load", "[2/5] trace and save ONNX", "[3/5] trace and save TorchScript", "[5/5] verify"):
+    for stage in ("[1/4] load", "[2/4] trace and save ONNX", "[3/4] trace and save TorchScript", "[4/4] verify each"):
         assert stage in stdout and "peak memory" in stdout, stage
     assert (spec["num_layers"], spec["num_kv_heads"], spec["head_dim"], spec["context_length"]) == (2, 2, 16, 256)
     assert "max |Δ|" in stdout and "greedy 32 tokens" in stdout and "exported and verified" in stdout
@@ -274,3 +274,48 @@ def test_fused_projections_keep_the_checkpoints_biases(family):
     assert {"q_proj", "k_proj", "v_proj"} <= biases
     cases = verify_logits(model, {"step": _eager(DecoderStep(model, [0]).eval())}, [0])
     assert max(report(_NullConsole(), cases, {"def ": {"step": True}}).values()) < 1e-4
+
+
+def test_greedy_agreement_is_judged_up_to_the_first_near_tie():
+    """Past a near-tie either of HF's top two is right, and the continuation may differ after it;
+    before it every token must be HF's."""
+    from batchstring.export.verify import GreedyReference
+
+    tied = GreedyReference([1], tokens=[5, 6, 7, 8], first_tie=2, runner_up=9)
+    assert tied.agrees([5, 6, 7, 8]) and tied.agrees([5, 6, 9, 3]) and tied.agrees([5, 6, 7, 1])
+    assert not tied.agrees([5, 4, 7, 8]) and not tied.agrees([5, 6, 3, 8])
+    untied = GreedyReference([1], tokens=[5, 6, 7], first_tie=None, runner_up=None)
+    assert untied.agrees([5, 6, 7]) and not untied.agrees([5, 6, 8])
+
+
+def test_the_export_verifies_one_runtime_at_a_time(tiny_checkpoint):
+    """Each runtime is loaded when its turn comes and freed before the next: a real-size float32
+    model's copies would not fit side by side."""
+    import gc
+
+    from batchstring.engine.tokenizer import TextCodec
+    from batchstring.export.exporter import _eager, _verify_each, load_checkpoint
+
+    model = load_checkpoint(tiny_checkpoint)
+    step = DecoderStep(model, [0]).eval()
+    alive, most = [], []
+
+    class Runtime:
+        def __init__(self) -> None:
+            gc.collect()
+            alive.append(1)
+            most.append(len(alive))
+            self.run = _eager(step)
+
+        def __call__(self, **feeds):
+            return self.run(**feeds)
+
+        def __del__(self) -> None:
+            alive.pop()
+
+    loaders = {name: Runtime for name in ("a", "b", "c")}
+    codec = TextCodec.from_file(tiny_checkpoint / "tokenizer.json")
+    cases, greedy = _verify_each(loaders, model, model, codec.encode, [0], "float32")
+    assert max(most) == 1 and not alive
+    assert set(cases[0].max_diff) == {"a", "b", "c"} and all(set(ok) == {"a", "b", "c"} for ok in greedy.values())
+    assert max(c.max_diff["c"] for c in cases) < 1e-4

@@ -24,8 +24,9 @@ from batchstring.export.synthetic import FAMILY_OPTIONS, random_checkpoint, tiny
 from tests.conftest import BATCHSTRING, start_server
 
 EOS = 0
-SERVED = ("gemma3_text", "starcoder2", "phi3")  # sandwich norms, q/k norm, windows, two rotary tables, GELU;
-# LayerNorm with biases and an MLP without a gate; fused projections and partial rotary
+SERVED = ("gemma3_text", "starcoder2", "phi3", "gpt_oss")  # sandwich norms, q/k norm, windows, two rotary
+# tables, GELU; LayerNorm with biases and an MLP without a gate; fused projections and partial rotary; experts,
+# attention sinks, yarn
 
 
 class _NullConsole:
@@ -40,10 +41,10 @@ def tiny_model(model_type: str, dtype: torch.dtype = torch.float32):
     config.eos_token_id = EOS
     torch.manual_seed(5)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    with torch.no_grad():  # norms start at 1 (or 0) and biases at 0: make each one matter
+    with torch.no_grad():  # norms start at 1 (or 0), biases and sinks at 0: make each one matter
         for name, parameter in model.named_parameters():
-            if name.endswith(".bias") or "norm" in name:
-                parameter.normal_(0.2 if name.endswith(".bias") else 1.0, 0.3)
+            if name.endswith(("bias", "sinks")) or "norm" in name:
+                parameter.normal_(1.0 if "norm" in name else 0.2, 0.3)
     return model.to(dtype).eval()
 
 
@@ -55,7 +56,8 @@ def test_the_tiny_checkpoints_bring_their_familys_features():
                 "olmo2": "q/k norm (all)", "granite": "logits_scaling 8", "smollm3": "no rotary on 1/2",
                 "phi3": "partial rotary 0.75", "starcoder2": "sliding window 24 on 2/2",
                 "gemma2": "attn_logit_softcapping 50", "gemma3_text": "a rotary table per layer type",
-                "llama": "rope llama3"}
+                "llama": "rope llama3", "qwen3_moe": "8 experts, top-2 on 1/2 layers",
+                "mixtral": "8 experts, top-2 on 2/2 layers", "gpt_oss": "attention sinks"}
     assert set(expected) == set(FAMILY_OPTIONS) == set(FAMILIES)
     for model_type, feature in expected.items():
         found = ", ".join(features(tiny_model(model_type)))
@@ -91,6 +93,21 @@ def test_each_familys_step_in_bfloat16_stays_within_the_16_bit_rule(model_type):
     assert not tolerance_failures(cases, "bfloat16")
 
 
+def test_each_expert_computes_only_the_tokens_routed_to_it():
+    """Compute follows the routing: over a layer's experts, the rows multiplied add up to tokens x
+    top-k (every expert computing every token would make it tokens x experts)."""
+    from batchstring.export.step import DecoderStep
+
+    mixture = DecoderStep(tiny_model("mixtral"), [EOS]).layers[0].mixture
+    rows: list[int] = []
+    for expert in mixture.gate_up:
+        expert.register_forward_hook(lambda module, inputs, output: rows.append(inputs[0].shape[0]))
+    tokens = 40
+    with torch.no_grad():
+        mixture(torch.randn(1, tokens, 64))
+    assert len(rows) == 8 and sum(rows) == tokens * mixture.top_k and max(rows) < tokens
+
+
 def test_a_wrong_window_is_caught_by_the_verification():
     """The windows are checked, not only present: a window off by one fails the rule."""
     from batchstring.export.exporter import _eager
@@ -104,8 +121,8 @@ def test_a_wrong_window_is_caught_by_the_verification():
     assert tolerance_failures(verify_logits(model, {"step": _eager(step)}, [EOS], cases=[(3, 100)]), "float32")
 
 
-@pytest.mark.parametrize(("model_type", "missing"), [("qwen3_moe", "mixture-of-experts"), ("mixtral", "mixture"),
-                                                      ("gpt_oss", "attention sinks"), ("gpt2", "not supported")])
+@pytest.mark.parametrize(("model_type", "missing"), [("qwen2_moe", "shared experts"), ("phimoe", "sparsemixer"),
+                                                      ("gpt2", "not supported")])
 def test_families_we_do_not_export_are_refused_naming_what_is_missing(model_type, missing):
     from transformers import AutoConfig
 
@@ -163,3 +180,36 @@ def test_a_familys_greedy_tokens_through_a_real_server_equal_hf_generate(request
         done = api.completions.create(model="llm", prompt=prompt, max_tokens=40, temperature=0,
                                       extra_body={"min_tokens": 40})
         assert done.choices[0].text == codec.decode(expected), (model_type, prompt)
+
+
+def test_blocks_outside_every_window_are_given_up_and_the_tokens_stay_hfs(family_export):
+    """Where every layer has a window (StarCoder2 here), a long generation holds only the blocks
+    the window reaches; what it gives up is not read again: its tokens are still HF's."""
+    from transformers import AutoModelForCausalLM
+
+    from batchstring.engine.sampling import SamplingParams
+    from tests.engine_helpers import engine
+
+    _, checkpoint, exported = family_export
+    eng = engine(exported, block_size=4, kv_cache_tokens=512)
+    blocks, step = eng.scheduler.blocks, eng.runner.step
+    held: list[int] = []
+
+    def watched(batch):
+        held.append(blocks.num_blocks - blocks.num_free)
+        return step(batch)
+
+    eng.runner.step = watched
+    params = SamplingParams(max_tokens=80, min_tokens=80, temperature=0.0)
+    seq = eng.make_sequence("def parse(text):\n    return", params, lambda out: None)
+    eng.generate([seq])
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([seq.prompt_ids]), max_new_tokens=80, min_new_tokens=80, do_sample=False,
+                               eos_token_id=hf.config.eos_token_id, pad_token_id=hf.config.eos_token_id)
+    assert seq.output_ids == expected[0, len(seq.prompt_ids):].tolist()
+    total = -(-(len(seq.prompt_ids) + 80) // 4)
+    if eng.spec.window is None:
+        assert max(held) >= total - 1, "nothing is given up while a layer reads the whole past"
+    else:
+        assert max(held) <= eng.spec.window // 4 + 3 < total, (held, total)

@@ -56,10 +56,7 @@ MISSING = {
     "gemma3": "the vision tower (export the text model, model_type gemma3_text)",
     "phimoe": "its sparsemixer routing",
 }
-UNSUPPORTED_ROPE = {
-    "dynamic": "its frequencies change with the sequence's length",
-    "longrope": "its frequencies switch with the sequence's length past original_max_position_embeddings",
-}
+UNSUPPORTED_ROPE = {"dynamic": "its frequencies change with every sequence length"}
 
 
 class UnsupportedModel(ValueError):
@@ -115,11 +112,28 @@ def layer_plans(hf_model) -> list[LayerPlan]:
 
 
 def rotary_tables(rotary) -> dict[str, tuple]:
-    """Each rotary table the layers use: name -> (inv_freq, attention_scaling)."""
+    """Each rotary table the layers use: name -> (inv_freq, attention_scaling). The original
+    frequencies: an HF forward past longrope's threshold swaps `inv_freq` for its long ones."""
     types = getattr(rotary, "layer_types", None)
     if types and hasattr(rotary, f"{types[0]}_inv_freq"):
-        return {t: (getattr(rotary, f"{t}_inv_freq"), getattr(rotary, f"{t}_attention_scaling")) for t in types}
-    return {"default": (rotary.inv_freq, rotary.attention_scaling)}
+        return {t: (getattr(rotary, f"{t}_original_inv_freq"), getattr(rotary, f"{t}_attention_scaling"))
+                for t in types}
+    return {"default": (getattr(rotary, "original_inv_freq", rotary.inv_freq), rotary.attention_scaling)}
+
+
+def long_rope(config):
+    """LongRoPE (Phi-3's 128k checkpoints, Phi-4-mini): (the long factors' inv_freq, the position
+    from which they apply), or None. HF rotates a forward call's tokens with the long factors when
+    the call reaches past original_max_position_embeddings, with the short ones otherwise; the
+    step decides the same per row, by the row's last position in the step."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if params.get("rope_type") != "longrope":
+        return None
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    threshold = int(params["original_max_position_embeddings"])
+    long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](config, None, seq_len=threshold + 1)
+    return long_inv_freq, threshold
 
 
 def features(hf_model) -> list[str]:

@@ -13,8 +13,14 @@ ARTIFACTS = ("model.onnx", "model.pt", "tokenizer.json", "runtime.json")
 SMALL_STEP_GRAPH = "model.small.onnx"
 
 
-def missing_artifacts(version_dir: Path = MODEL_VERSION_DIR) -> list[str]:
-    return [name for name in ARTIFACTS if not (version_dir / name).is_file()]
+STEP_FILES = {"onnxruntime": "model.onnx", "torchscript": "model.pt"}
+
+
+def missing_artifacts(version_dir: Path = MODEL_VERSION_DIR, runtime: str | None = None) -> list[str]:
+    """What the served files lack: every artifact, or with `runtime` the one step file it runs."""
+    wanted = ARTIFACTS if runtime is None else [n for n in ARTIFACTS if n not in STEP_FILES.values()
+                                                or n == STEP_FILES.get(runtime)]
+    return [name for name in wanted if not (version_dir / name).is_file()]
 
 # The exported step's inputs and outputs, in order (export/step.py says what each is); an export whose
 # runtime.json lists others was made by another batchstring and is refused (engine/runner.py).

@@ -69,6 +69,9 @@ Why this shape:
   alike, and the CPU runner sends those steps to this graph (engine/runner.py).
 - Whatever is the same in every layer is computed once per step: the pairs, their blocks, the
   masks and the scatter indices; a layer adds its offset to the block indices.
+- Families differ as data (export/family.py): where each sublayer's norms sit, q/k norms, each
+  layer's sliding window (its own masks, built once per step per window) and rotary table (or
+  none), soft-caps, multipliers, attention sinks; mixtures of experts run export/mixture.py.
 - Keys are cached after the rotary embedding, as HF's cache does.
 - q/k/v and gate/up are one projection each (`StepLayer`), and one rotation covers every head of
   the fused projection (the values' factors are cos 1, sin 0): five matrix multiplies per layer
@@ -89,7 +92,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from batchstring.export.family import Family, UnsupportedModel, family_of, layer_plans, rotary_tables
+from batchstring.export.family import Family, UnsupportedModel, family_of, layer_plans, long_rope, rotary_tables
 from batchstring.export.mixture import Mixture
 from batchstring.export.sampler import SamplingHead
 
@@ -137,6 +140,10 @@ class DecoderStep(nn.Module):
         self.rotary_dim = 2 * next(iter(tables.values()))[0].numel()  # < head_dim: partial rotary (Phi-3)
         for name, (inv_freq, _) in tables.items():
             self.register_buffer(f"inv_freq_{name}", inv_freq.detach().clone().float(), persistent=False)
+        long = long_rope(cfg)
+        self.long_from = None if long is None else long[1]
+        self.register_buffer("inv_freq_long", None if long is None else long[0].detach().clone().float(),
+                             persistent=False)
         self.register_buffer("kv_head_index", torch.arange(self.num_kv_heads)[:, None, None], persistent=False)
         # The rotary factors cover every head of the fused projection: the queries' carry the attention
         # scale (one multiply per step, not per layer), the values' are cos 1, sin 0 (left as they are).
@@ -198,7 +205,8 @@ class DecoderStep(nn.Module):
         h = self.embed(input_ids[None])
         if self.embedding_multiplier != 1.0:
             h = h * self.embedding_multiplier
-        rotations = self._rotary(position_ids)
+        ends = None if self.long_from is None else _row_ends(position_ids, prefill_tokens, prefill_mask)
+        rotations = self._rotary(position_ids, ends)
         inputs = [(prefill_tokens, prefill_mask, prefill_rows, prefill_context, prefill_pairs)]
         if not self.single_group:
             decode_mask = torch.ones_like(decode_tokens, dtype=torch.bool)
@@ -248,15 +256,20 @@ class DecoderStep(nn.Module):
     def _residual(self, x: torch.Tensor) -> torch.Tensor:
         return x * self.residual_multiplier if self.residual_multiplier != 1.0 else x
 
-    def _rotary(self, position_ids: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def _rotary(self, position_ids: torch.Tensor,
+                ends: torch.Tensor | None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Per rotary table, cos and sin [T, Hq + 2H, D] for every head of the fused projection: the
         queries' scaled by the attention scale (rotation is linear: scaling the rotated query scales
         its scores), the values' cos 1 and sin 0, so one rotation per layer leaves them exactly as
-        they were. Past a partial rotary's dims, cos 1 and sin 0: those dims pass unrotated."""
+        they were. Past a partial rotary's dims, cos 1 and sin 0: those dims pass unrotated. With
+        LongRoPE, a token whose row reaches `long_from` (`ends`) takes the long factors."""
         positions = position_ids[:, None].float()
         tables = {}
         for name, scale in self.rope_scale.items():
-            freqs = positions * getattr(self, f"inv_freq_{name}")  # [T, R/2]
+            inv_freq = getattr(self, f"inv_freq_{name}")
+            if ends is not None:
+                inv_freq = torch.where((ends >= self.long_from)[:, None], self.inv_freq_long, inv_freq)
+            freqs = positions * inv_freq  # [T, R/2]
             cos, sin = freqs.cos() * scale, freqs.sin() * scale
             cos, sin = [cos, cos], [sin, sin]
             if self.rotary_dim < self.head_dim:
@@ -478,6 +491,17 @@ def _attention_bias(mask: torch.Tensor, group_size: int, window: int | None = No
     if window is not None:
         allowed = allowed & (pos[:, :, None] - pos[:, None, :] < window)
     return _bias(allowed)[None, :, :, None, :].expand(-1, -1, -1, group_size, -1).flatten(2, 3)
+
+
+def _row_ends(position_ids: torch.Tensor, prefill_tokens: torch.Tensor, prefill_mask: torch.Tensor) -> torch.Tensor:
+    """[T]: the last position of each token's row in this step. A decode row's one token is its own
+    last; a prefill row's last token is in its group's last column (rows are left-padded), and
+    its padding writes to a spare slot past the end."""
+    count = position_ids.shape[0]
+    last = _take(position_ids, prefill_tokens[:, -1])  # [Bp]
+    slots = torch.where(prefill_mask, prefill_tokens, count).reshape(-1)
+    spread = last[:, None].expand_as(prefill_tokens).reshape(-1)
+    return torch.cat((position_ids, position_ids[:1])).index_put((slots,), spread)[:count]
 
 
 def _per_query(allowed: torch.Tensor, group_size: int) -> torch.Tensor:

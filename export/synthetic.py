@@ -133,7 +133,10 @@ FAMILY_OPTIONS = {
     "granite": {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "logits_scaling": 8.0,
                 "attention_multiplier": 0.0078125},
     "smollm3": {"no_rope_layers": [1, 0]},
-    "phi3": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}},
+    "phi3": {"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                 "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                                 "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0],
+                                 "original_max_position_embeddings": 32}},  # Phi-4-mini's kind, crossed in tests
     "starcoder2": {"use_bias": True, "sliding_window": WINDOW},
     "gemma2": {"sliding_window": WINDOW, "query_pre_attn_scalar": 16, "layer_types": TWO_KINDS},
     "gemma3_text": {"sliding_window": WINDOW, "query_pre_attn_scalar": 16, "layer_types": TWO_KINDS},

@@ -147,7 +147,7 @@ class LocalServer:
         return argv
 
     def start(self) -> LocalServer:
-        missing = missing_artifacts(self.repository / MODEL / MODEL_VERSION_DIR.name)
+        missing = missing_artifacts(self.repository / MODEL / MODEL_VERSION_DIR.name, self.params.get("runtime"))
         if missing:
             raise ServerError(f"model files missing from the repository ({', '.join(missing)}); "
                               "run `batchstring export` first")

@@ -27,6 +27,8 @@ EOS = 0
 SERVED = ("gemma3_text", "starcoder2", "phi3", "gpt_oss")  # sandwich norms, q/k norm, windows, two rotary
 # tables, GELU; LayerNorm with biases and an MLP without a gate; fused projections and partial rotary; experts,
 # attention sinks, yarn
+SERVED_BY_TORCHSCRIPT = ("olmo2", "granite", "smollm3", "gemma2")  # norms after sublayers, q/k norm over all
+# heads; multipliers; layers without rotary; soft-caps
 
 
 class _NullConsole:
@@ -142,18 +144,29 @@ def test_rope_that_changes_with_the_sequence_is_refused():
 # ----- exported and served ---------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=SERVED)
-def family_export(request, tmp_path_factory) -> tuple[str, Path, Path]:
+@pytest.fixture(scope="module", params=SERVED + SERVED_BY_TORCHSCRIPT)
+def family_export(request, tmp_path_factory) -> tuple[str, Path, Path, dict[str, str]]:
+    """(model_type, checkpoint, export, the engine's parameters): `batchstring export` and ONNX
+    Runtime for SERVED; for the others, the TorchScript step and the model files written in
+    process (verified in process above), served by TorchScript: tracing ONNX takes ~45 s a family."""
     model_type = request.param
     checkpoint = tmp_path_factory.mktemp(f"{model_type}-checkpoint")
-    config = tiny_family_config(model_type)
-    random_checkpoint(checkpoint, config, seed=1)
+    random_checkpoint(checkpoint, tiny_family_config(model_type), seed=1)
     out = tmp_path_factory.mktemp(f"{model_type}-export")
+    if model_type in SERVED_BY_TORCHSCRIPT:
+        from batchstring.export import artifacts
+        from batchstring.export.exporter import decoder_step, load_checkpoint, write_model_files
+
+        model = load_checkpoint(checkpoint)
+        step, eos = decoder_step(model, checkpoint)
+        artifacts.write_torchscript(step, out / "model.pt")
+        write_model_files(step, model, eos, checkpoint, out)
+        return model_type, checkpoint, out, {"runtime": "torchscript"}
     result = subprocess.run([*BATCHSTRING, "export", "--model", str(checkpoint), "--out", str(out),
                              "--dtype", "float32"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"{model_type}:" in result.stdout and "onnxruntime" in result.stdout
-    return model_type, checkpoint, out
+    return model_type, checkpoint, out, {}
 
 
 def test_a_familys_greedy_tokens_through_a_real_server_equal_hf_generate(request, family_export, tmp_path_factory):
@@ -165,11 +178,11 @@ def test_a_familys_greedy_tokens_through_a_real_server_equal_hf_generate(request
     from batchstring.engine.tokenizer import TextCodec
     from batchstring.server.repository import repository_for
 
-    model_type, checkpoint, exported = family_export
+    model_type, checkpoint, exported, params = family_export
     hf = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
     codec = TextCodec.from_file(checkpoint / "tokenizer.json")
     repository = repository_for(exported, tmp_path_factory.mktemp(f"{model_type}-repository"))
-    server = start_server(request, f"family-{model_type}", config="cpu", repository=repository)
+    server = start_server(request, f"family-{model_type}", config="cpu", repository=repository, params=params)
     api = openai.OpenAI(base_url=f"http://{server.http_url}/v1", api_key="unused", max_retries=0)
     for prompt in ("def parse(text):\n    return", "The quick brown fox"):
         ids = codec.encode(prompt)
@@ -190,8 +203,8 @@ def test_blocks_outside_every_window_are_given_up_and_the_tokens_stay_hfs(family
     from batchstring.engine.sampling import SamplingParams
     from tests.engine_helpers import engine
 
-    _, checkpoint, exported = family_export
-    eng = engine(exported, block_size=4, kv_cache_tokens=512)
+    _, checkpoint, exported, params = family_export
+    eng = engine(exported, block_size=4, kv_cache_tokens=512, **params)
     blocks, step = eng.scheduler.blocks, eng.runner.step
     held: list[int] = []
 
@@ -213,3 +226,17 @@ def test_blocks_outside_every_window_are_given_up_and_the_tokens_stay_hfs(family
         assert max(held) >= total - 1, "nothing is given up while a layer reads the whole past"
     else:
         assert max(held) <= eng.spec.window // 4 + 3 < total, (held, total)
+
+
+@pytest.mark.parametrize(("model_type", "dtype"), [("gemma2", "float16"), ("mixtral", "bfloat16")])
+def test_a_family_exports_in_16_bits(model_type, dtype, tmp_path):
+    """`batchstring export --dtype` 16 bits: soft-caps in float16 (ONNX Runtime runs it here),
+    experts in bfloat16 (the ONNX graph checked structurally; TorchScript run)."""
+    checkpoint = random_checkpoint(tmp_path / "checkpoint", tiny_family_config(model_type), seed=2)
+    result = subprocess.run([*BATCHSTRING, "export", "--model", str(checkpoint), "--out", str(tmp_path / "out"),
+                             "--dtype", dtype], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "exported and verified" in result.stdout and "torchscript" in result.stdout
+    said = " ".join(result.stdout.split())
+    assert ("onnxruntime: greedy" in said) == (dtype == "float16")
+    assert ("structure was checked" in said) == (dtype == "bfloat16")

@@ -95,7 +95,7 @@ def _release(blocks: BlockManager, work: list[Work]) -> None:
         blocks.release(w.seq)
 
 
-def _taking_turns(cases: dict[str, Callable[[], float]], repeats: int) -> dict[str, float]:
+def taking_turns(cases: dict[str, Callable[[], float]], repeats: int) -> dict[str, float]:
     """Each case's median over `repeats` runs, the cases' runs alternating."""
     runs: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(repeats):
@@ -104,34 +104,38 @@ def _taking_turns(cases: dict[str, Callable[[], float]], repeats: int) -> dict[s
     return {name: float(np.median(values)) for name, values in runs.items()}
 
 
+def step_ms(engine: EngineCore, pasts: list[int], steps: int, progress=None) -> Callable[[], float]:
+    """One run: decoding rows of these pasts set up, a step run once to warm up, then the median
+    runner time of `steps` steps, in milliseconds; the rows are released after."""
+    blocks = engine.scheduler.blocks
+    group = max(1, engine.spec.num_heads // engine.spec.num_kv_heads)
+
+    def run() -> float:
+        work = decoding(blocks, pasts)
+        batch = build_step(work, blocks, query_group=group)
+        engine.runner.step(batch)  # a first step's allocations are nobody's result
+        timings = []
+        for _ in range(steps):
+            began = time.perf_counter()
+            engine.runner.step(batch)
+            timings.append(time.perf_counter() - began)
+        _release(blocks, work)
+        if progress:
+            progress()
+        return float(np.median(timings)) * 1e3
+    return run
+
+
 def decode_ratios(model_dir: Path, lengths: tuple[int, ...] = LENGTHS, repeats: int = 5, steps: int = 8,
                   runtime: str = "onnxruntime", progress=None) -> list[DecodeRatio]:
     cache = ROWS * (SHORT + 32) + max(lengths) + 64
     engine = EngineCore(EngineConfig(model_dir=model_dir, runtime=runtime, kv_cache_tokens=cache,
                                      max_num_seqs=ROWS, max_num_batched_tokens=max(512, ROWS)))
-    blocks = engine.scheduler.blocks
-    group = max(1, engine.spec.num_heads // engine.spec.num_kv_heads)
-
-    def step_ms(pasts: list[int]) -> Callable[[], float]:
-        def run() -> float:
-            work = decoding(blocks, pasts)
-            batch = build_step(work, blocks, query_group=group)
-            engine.runner.step(batch)  # a first step's allocations are nobody's result
-            timings = []
-            for _ in range(steps):
-                began = time.perf_counter()
-                engine.runner.step(batch)
-                timings.append(time.perf_counter() - began)
-            _release(blocks, work)
-            if progress:
-                progress()
-            return float(np.median(timings)) * 1e3
-        return run
-
     results = []
     for long in lengths:
         short, mixed = [SHORT] * ROWS, [SHORT] * (ROWS - 1) + [long]
-        ms = _taking_turns({"short": step_ms(short), "mixed": step_ms(mixed)}, repeats)
+        ms = taking_turns({"short": step_ms(engine, short, steps, progress),
+                            "mixed": step_ms(engine, mixed, steps, progress)}, repeats)
         results.append(DecodeRatio(long, ms["short"], ms["mixed"], sum(mixed) / sum(short)))
     return results
 
@@ -154,7 +158,7 @@ def host_ratio(long: int = 16384, short: int = 256, block_size: int = 16, repeat
             return elapsed
         return run
 
-    us = _taking_turns({"long": build_us(long), "short": build_us(short)}, repeats)
+    us = taking_turns({"long": build_us(long), "short": build_us(short)}, repeats)
     return HostRatio(long, short, us["long"], us["short"])
 
 

@@ -11,17 +11,12 @@ The mixture's step can only match the dense one if each expert computes only its
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
-from batchstring.engine.batch import build_step
 from batchstring.engine.config import EngineConfig
 from batchstring.engine.core import EngineCore
-from batchstring.loadtest.long_context import _release, _taking_turns, decoding
+from batchstring.loadtest.long_context import step_ms, taking_turns
 
 PAST = 128
 BATCHES = (1, 64)
@@ -58,27 +53,9 @@ def compare(models: dict[str, Path], runtime: str = "onnxruntime", batches: tupl
     engines = {name: EngineCore(EngineConfig(model_dir=path, runtime=runtime, kv_cache_tokens=max(batches) * 160,
                                              max_num_seqs=max(batches)))
                for name, path in models.items()}
-
-    def step_ms(engine: EngineCore, rows: int) -> Callable[[], float]:
-        def run() -> float:
-            blocks = engine.scheduler.blocks
-            work = decoding(blocks, [PAST] * rows)
-            group = max(1, engine.spec.num_heads // engine.spec.num_kv_heads)
-            batch = build_step(work, blocks, query_group=group)
-            engine.runner.step(batch)  # a first step's allocations are nobody's result
-            timings = []
-            for _ in range(steps):
-                began = time.perf_counter()
-                engine.runner.step(batch)
-                timings.append(time.perf_counter() - began)
-            _release(blocks, work)
-            if progress:
-                progress()
-            return float(np.median(timings)) * 1e3
-        return run
-
     results = []
     for rows in batches:
-        ms = _taking_turns({name: step_ms(engine, rows) for name, engine in engines.items()}, repeats)
+        ms = taking_turns({name: step_ms(engine, [PAST] * rows, steps, progress) for name, engine in engines.items()},
+                           repeats)
         results.append(MixtureRatio(rows, ms["dense"], ms["mixture"], runtime))
     return results

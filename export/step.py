@@ -270,12 +270,14 @@ class DecoderStep(nn.Module):
             if ends is not None:
                 inv_freq = torch.where((ends >= self.long_from)[:, None], self.inv_freq_long, inv_freq)
             freqs = positions * inv_freq  # [T, R/2]
-            cos, sin = freqs.cos() * scale, freqs.sin() * scale
-            cos, sin = [cos, cos], [sin, sin]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos(), emb.sin()
+            if scale != 1.0:
+                cos, sin = cos * scale, sin * scale
             if self.rotary_dim < self.head_dim:
                 passed = torch.zeros_like(freqs[:, :1]).expand(-1, self.head_dim - self.rotary_dim)
-                cos, sin = [*cos, passed + 1], [*sin, passed]
-            cos, sin = (torch.cat(parts, dim=-1)[:, None, :].to(self.dtype) for parts in (cos, sin))  # [T, 1, D]
+                cos, sin = torch.cat((cos, passed + 1), dim=-1), torch.cat((sin, passed), dim=-1)
+            cos, sin = (t[:, None, :].to(self.dtype) for t in (cos, sin))  # [T, 1, D]
             tables[name] = (cos * self.head_scale + self.value_heads, sin * self.head_scale)
         return tables
 
@@ -292,7 +294,7 @@ class DecoderStep(nn.Module):
         group_size = self.num_heads // kv_heads
         first_columns = pairs.new_ones(span_blocks).cumsum(0) - 1  # [C]
         first_keys = pairs.new_ones(span).cumsum(0) - 1  # [C * bs]
-        queries = _take(position_ids, tokens)  # [B, S]: each query's position (padding: any)
+        queries = _take(position_ids, tokens) if self.windows else None  # [B, S]: each query's position
         if self.single_group:  # pair b is row b's only span
             blocks = self._kv_blocks(_take(table.reshape(-1), rows[:, None] * table.shape[1] + first_columns),
                                      num_blocks)

@@ -14,7 +14,9 @@ from __future__ import annotations
 import json
 import os
 import time
+import uuid
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import openai
 import psycopg
@@ -36,6 +38,17 @@ LEASE = "3"
 def postgres():
     with PostgresServer() as server:
         yield server
+
+
+@pytest.fixture
+def own_database(postgres) -> str:
+    """A database of its own on the shared server, for the store's tests: the replicas' runners
+    (alive for the whole module) claim and finish whatever batch they find in theirs."""
+    name = f"stores_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(postgres.url, autocommit=True) as db:
+        db.execute(f"CREATE DATABASE {name}")
+    parts = urlsplit(postgres.url)
+    return urlunsplit(parts._replace(path=f"/{name}"))
 
 
 @pytest.fixture(scope="module")
@@ -113,10 +126,10 @@ def test_every_batch_api_call_works_through_the_balancer_and_a_killed_replicas_w
             call()
 
 
-def test_two_stores_on_one_database_lease_each_chunk_to_one_and_end_a_batch_once(postgres, tmp_path):
+def test_two_stores_on_one_database_lease_each_chunk_to_one_and_end_a_batch_once(own_database, tmp_path):
     """The store's promises without servers: a chunk is leased to one replica at a time, a lapsed
     lease passes to another, an answer is recorded once, and a batch ends once."""
-    first, second = (open_store(postgres.url, tmp_path / name) for name in ("a", "b"))
+    first, second = (open_store(own_database, tmp_path / name) for name in ("a", "b"))
     source = tmp_path / "input.jsonl"
     source.write_bytes(_lines(_prompts(4), 2))
     file_id = first.add_file("tenant", "input.jsonl", "batch", source)["id"]
@@ -153,8 +166,8 @@ def test_a_store_url_with_a_password_stays_off_the_command_line(monkeypatch):
     assert store_url(None) is None, "no URL: SQLite in the data directory"
 
 
-def test_a_replica_stopped_in_order_hands_its_chunks_over_at_once(postgres, tmp_path):
-    first, second = (open_store(postgres.url, tmp_path / name) for name in ("a", "b"))
+def test_a_replica_stopped_in_order_hands_its_chunks_over_at_once(own_database, tmp_path):
+    first, second = (open_store(own_database, tmp_path / name) for name in ("a", "b"))
     source = tmp_path / "input.jsonl"
     source.write_bytes(_lines(_prompts(4), 2))
     batch = first.add_batch("tenant", "/v1/completions", first.add_file("tenant", "in.jsonl", "batch", source)["id"],

@@ -216,7 +216,8 @@ def test_a_stream_cancelled_among_busy_streams_stops_and_frees_its_slot(server):
         assert next(pieces) and next(pieces)
         pieces.close()  # the client cancels mid-stream
         cancelled = before.get("batchstring_cancelled_total", 0) + 1
-        assert metric_reaches(server.metrics_url, "batchstring_cancelled_total", cancelled) == cancelled
+        # generous: on two busy cores the counter is published after the engine's next steps
+        assert metric_reaches(server.metrics_url, "batchstring_cancelled_total", cancelled, timeout=30) == cancelled
         assert all(future.result(timeout=120) for future in busy)
     time.sleep(0.6)
     after = metrics(server.metrics_url)

@@ -22,6 +22,7 @@ import torch
 from batchstring.export.family import FAMILIES, UnsupportedModel, family_of
 from batchstring.export.synthetic import FAMILY_OPTIONS, random_checkpoint, tiny_family_config
 from tests.conftest import BATCHSTRING, start_server
+from tests.test_export import _NullConsole
 
 EOS = 0
 SERVED = ("gemma3_text", "starcoder2", "phi3", "gpt_oss")  # sandwich norms, q/k norm, windows, two rotary
@@ -29,11 +30,6 @@ SERVED = ("gemma3_text", "starcoder2", "phi3", "gpt_oss")  # sandwich norms, q/k
 # attention sinks, yarn
 SERVED_BY_TORCHSCRIPT = ("olmo2", "granite", "smollm3", "gemma2")  # norms after sublayers, q/k norm over all
 # heads; multipliers; layers without rotary; soft-caps
-
-
-class _NullConsole:
-    def print(self, *args, **kwargs) -> None:
-        pass
 
 
 def tiny_model(model_type: str, dtype: torch.dtype = torch.float32):

@@ -18,12 +18,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchstring.engine.block_manager import BlockManager
-from batchstring.engine.block_table import BlockTable, one_span_per_row, pair_carrier, span_blocks
+from batchstring.engine.block_table import BlockTable, attention_cost, one_span_per_row, pair_carrier, span_blocks
 from batchstring.engine.grammar import fill_masks
 from batchstring.engine.sampling import SamplingParams
 from batchstring.engine.sequence import Sequence
 
 SMALL_STEP_TOKENS = 16  # a step of at most this many tokens: one attention group (and, on the CPU, its own session)
+CALL_COST = 4096  # keys' worth (engine/block_table.py's unit) of a second runner call: ~1 ms on the CPU
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,39 @@ def build_step(work: list[Work], blocks: BlockManager, rng: np.random.Generator 
         "token_order": np.concatenate([d.order, p.order]), "logit_tokens": logit_tokens, **vars(sampling),
     }
     return StepBatch(feeds, blocks.table, np.concatenate([d.writes, p.writes]), ordered, sampled, sampling)
+
+
+def split_step(work: list[Work], block_size: int, query_group: int) -> list[list[Work]]:
+    """The step's rows as one runner call, or as two when that costs less attention: the prefill
+    group pads its rows to the widest, so a forced run's or a draft's few tokens beside a prompt
+    chunk of a hundred would attend a hundred query positions over their whole past. Rows up to
+    the cut width go to the first call, the others to the second; the cut (or none) is the one of
+    least modelled cost (engine/block_table.py), a second call costing CALL_COST. Rows are
+    independent within a step, so the calls give each row what one call would."""
+    news = np.fromiter((w.new for w in work), np.int64, len(work))
+    widths = np.unique(news[news > 1])
+    if len(widths) < 2:
+        return [work]  # the prefill group has rows of one width: nothing is padded
+    context = np.fromiter((w.seq.num_cached for w in work), np.int64, len(work))
+
+    def call(rows: np.ndarray) -> float:
+        new, past = news[rows], context[rows]
+        if new.sum() <= SMALL_STEP_TOKENS:  # one group (build_step)
+            return attention_cost(past, int(new.max()), block_size, query_group)
+        one = new == 1
+        wide = int(new[~one].max(initial=1))
+        return (attention_cost(past[one], 1, block_size, query_group)
+                + attention_cost(past[~one], wide, block_size, query_group))
+
+    best, cut = call(np.ones(len(work), bool)), None
+    for width in widths[:-1]:
+        short = news <= width
+        cost = call(short) + call(~short) + CALL_COST
+        if cost < best:
+            best, cut = cost, width
+    if cut is None:
+        return [work]
+    return [[w for w in work if w.new <= cut], [w for w in work if w.new > cut]]
 
 
 _NOTHING = np.zeros(0, np.int64)

@@ -15,8 +15,8 @@ Life of a constrained request:
   which enter the exported step as an input (export/sampler.py applies them inside the graph);
 - after the step (engine/scheduler.py), `Constraint.advance` feeds the chosen token to the
   matcher; a matcher that cannot take it (its grammar reached a state that admits no token) ends
-  the request with an error. Then `Constraint.forced` takes the run of tokens the grammar now
-  admits one at a time (a JSON schema's keys and punctuation): each is the only token its mask
+  the request with an error. Then `forced_runs` takes, for every such row at once, the run of
+  tokens its grammar now admits one at a time (a JSON schema's keys and punctuation): each is the only token its mask
   allows, so greedy and sampled decoding alike would pick it, and the scheduler appends them
   without a model step (their keys and values are computed with the row's next step).
 """
@@ -61,20 +61,6 @@ class Constraint:
         only because the grammar allowed nothing else."""
         self.mask = None
         return not eos_banned and self.matcher.consume_token(token)
-
-    def forced(self, limit: int, eos: frozenset[int]) -> list[int]:
-        """The tokens the grammar admits one at a time from here, consumed: at most `limit`, and
-        none that ends the text (the step decides that, as min_tokens may forbid it). The last
-        mask computed is the next step's."""
-        run: list[int] = []
-        while len(run) < limit:
-            if self.mask is None:
-                fill_masks([self])
-            token = _only_token(self.mask)
-            if token is None or token in eos or not self.advance(token):
-                break
-            run.append(token)
-        return run
 
     @property
     def error(self) -> str:
@@ -157,7 +143,7 @@ _executor_lock = threading.Lock()
 
 def fill_masks(constraints: list[Constraint]) -> np.ndarray:
     """[G, words] int32: each row's allowed tokens now, computed in parallel outside the GIL (a
-    mask computed already for the same state, by `Constraint.forced`, is reused)."""
+    mask computed already for the same state, by `forced_runs`, is reused)."""
     global _executor
     with _executor_lock:
         if _executor is None:
@@ -172,6 +158,29 @@ def fill_masks(constraints: list[Constraint]) -> np.ndarray:
         else:
             masks[i] = c.mask
     return masks
+
+
+def forced_runs(constraints: list[Constraint], limits: list[int], eos: frozenset[int]) -> list[list[int]]:
+    """Each row's run of tokens its grammar admits one at a time from here, consumed: at most its
+    limit, and none that ends the text (the step decides that, as min_tokens may forbid it). A
+    round per token: the masks of every row still in a run are computed together (`fill_masks`,
+    in parallel), so a batch's runs cost rounds, not rows x tokens, of mask work. The last mask
+    computed is the row's next step's."""
+    runs: list[list[int]] = [[] for _ in constraints]
+    live = [i for i, limit in enumerate(limits) if limit > 0]
+    while live:
+        fill_masks([constraints[i] for i in live])
+        going = []
+        for i in live:
+            constraint = constraints[i]
+            token = _only_token(constraint.mask)
+            if token is None or token in eos or not constraint.advance(token):
+                continue
+            runs[i].append(token)
+            if len(runs[i]) < limits[i]:
+                going.append(i)
+        live = going
+    return runs
 
 
 def _only_token(mask: np.ndarray) -> int | None:

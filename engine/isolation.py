@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from batchstring.engine.batch import StepBatch, Work, build_step
+from batchstring.engine.batch import StepBatch, Work, build_step, split_step
 from batchstring.engine.errors import EngineBroken, is_out_of_memory
 from batchstring.engine.runner import PagedCacheRunner, StepOutput
 from batchstring.engine.sampling import SamplingParams
@@ -42,7 +42,10 @@ class IsolatedStep:
         self.query_group = query_group  # query heads per kv head, for the choice of span (build_step)
 
     def run(self, work: list[Work]) -> tuple[list[Ran], list[tuple[Sequence, BaseException]]]:
-        ran, failed = self._bisect(work)
+        ran, failed = [], []
+        for part in split_step(work, self.scheduler.blocks.block_size, self.query_group):
+            part_ran, part_failed = self._bisect(part)
+            ran, failed = ran + part_ran, failed + part_failed
         if failed and not ran and not self._probe():
             raise EngineBroken(f"every request of a step failed and so did a one-token probe step ({failed[0][1]})")
         return ran, failed

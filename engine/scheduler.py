@@ -34,6 +34,7 @@ import numpy as np
 from batchstring.engine.batch import Work
 from batchstring.engine.block_manager import BlockManager
 from batchstring.engine.config import EngineConfig
+from batchstring.engine.grammar import forced_runs
 from batchstring.engine.policy import ContinuousBatching
 from batchstring.engine.sequence import Sequence, Status
 from batchstring.engine.speculation import Speculator
@@ -268,7 +269,7 @@ class Scheduler:
         keeps, and caches the accepted drafts: its tokens are appended before its blocks are hashed.
         """
         eos = self.eos
-        ended = {}
+        ended, forcing = {}, []
         for seq, token in zip(sampled, tokens.tolist()):
             generated = seq.output_ids
             generated.append(token)
@@ -280,8 +281,11 @@ class Scheduler:
                 ended[seq] = "error"  # its grammar admits no token here (engine/grammar.py)
             elif ends:
                 ended[seq] = "stop"
-            elif len(generated) >= seq.params.max_tokens or self._take_forced(seq):
+            elif len(generated) >= seq.params.max_tokens:
                 ended[seq] = "length"  # admission checked that max_tokens fits the context
+            elif self._may_force(seq):
+                forcing.append(seq)
+        ended.update(dict.fromkeys(self._take_forced(forcing), "length"))
         size = self.blocks.block_size
         for w in work:
             seq = w.seq
@@ -292,26 +296,29 @@ class Scheduler:
         return ended
 
 
-    def _take_forced(self, seq: Sequence) -> bool:
-        """Appends the tokens a constrained row's grammar admits one at a time (engine/grammar.py):
-        the row feeds them with its next step, which computes their keys and values and samples
-        what follows. A seeded sampled row draws the number each would have drawn, so its later
-        tokens are the same. Not for a row whose caller reads each token as it comes (streaming,
-        stop strings) or wants each one's log-probability, which only a step computes; and, as
-        drafts, only while at most `speculative_step_tokens` rows run: skipping saves steps, not
-        arithmetic, and a full batch pays per token either way (more, in the padded group the
-        forced runs then share: BENCHMARKS.md, "Structured output"). True when they take it to
-        max_tokens."""
-        if (seq.params.guide is None or not self.config.skip_forced_tokens or seq.params.logprobs is not None
-                or seq.output.per_token or len(self.running) > self.config.speculative_step_tokens):
-            return False
-        room = seq.params.max_tokens - len(seq.output_ids)
-        run = seq.output.constraint.forced(room, self.eos)
-        seq.output_ids.extend(run)
-        self.forced_tokens += len(run)
-        if seq.rng is not None and not seq.params.greedy:
-            seq.rng.random(len(run))
-        return len(run) == room > 0
+    def _may_force(self, seq: Sequence) -> bool:
+        """Whether a row may skip the steps of its forced tokens (`_take_forced`): not a row whose
+        caller reads each token as it comes (streaming, stop strings) or wants each one's
+        log-probability, which only a step computes."""
+        return (seq.params.guide is not None and self.config.skip_forced_tokens and seq.params.logprobs is None
+                and not seq.output.per_token)
+
+    def _take_forced(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Appends to each row the tokens its grammar admits one at a time (engine/grammar.py): the
+        row feeds them with its next step, which computes their keys and values and samples what
+        follows. A seeded sampled row draws the number each would have drawn, so its later tokens
+        are the same. The step that feeds them keeps their few tokens out of a prompt chunk's
+        padded group (engine/batch.py split_step). Returns the rows they take to max_tokens."""
+        if not seqs:
+            return []
+        rooms = [seq.params.max_tokens - len(seq.output_ids) for seq in seqs]
+        runs = forced_runs([seq.output.constraint for seq in seqs], rooms, self.eos)
+        for seq, run in zip(seqs, runs):
+            seq.output_ids.extend(run)
+            self.forced_tokens += len(run)
+            if seq.rng is not None and not seq.params.greedy:
+                seq.rng.random(len(run))
+        return [seq for seq, run, room in zip(seqs, runs, rooms) if len(run) == room]
 
 
 def _level(seq: Sequence) -> int:

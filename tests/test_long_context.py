@@ -19,11 +19,13 @@ import numpy as np
 import pytest
 import torch
 
+from batchstring.engine.batch import Work, split_step
 from batchstring.engine.block_table import BlockTable, one_span_per_row, pair_carrier, pair_count, span_blocks
 from batchstring.engine.config import INPUT_BYTES_PER_TOKEN
 from batchstring.engine.errors import InvalidRequest
 from batchstring.engine.runner import DeviceTable
 from batchstring.engine.sampling import SamplingParams
+from batchstring.engine.sequence import Sequence
 from batchstring.export.layout import INPUT_NAMES
 from tests.conftest import BATCHSTRING, start_server
 from tests.engine_helpers import engine
@@ -132,6 +134,21 @@ def test_spans_follow_the_rows_one_per_row_when_even_and_many_for_a_long_row_amo
     assert carrier.shape == (pair_count(mixed, span, 16), span, 0) and carrier.nbytes == 0
     assert one_span_per_row(np.array([100, 90, 120]), 16) == 8
     assert one_span_per_row(np.array([16, 16, 16, 15000]), 16) is None, "one long row: pairs, not padding"
+
+
+def test_a_step_splits_in_two_calls_only_when_padding_would_cost_more_than_a_call():
+    """A forced run's few tokens beside a prompt chunk of a hundred: two calls, short rows first;
+    rows of one width, or a short run among short rows, stay one call."""
+
+    def work(news: list[int], past: int = 200) -> list[Work]:
+        return [Work(Sequence(str(i), [1] * (past + n), SamplingParams(), num_cached=past), n)
+                for i, n in enumerate(news)]
+
+    crowd = work([1] * 40 + [5] * 12 + [128, 97])
+    first, second = split_step(crowd, 16, 2)
+    assert [w.new for w in first] == [1] * 40 + [5] * 12 and [w.new for w in second] == [128, 97]
+    for news in ([1] * 40 + [128] * 3, [1] * 40 + [5] * 12, [1] * 40 + [2, 3], [4] * 8 + [1, 6], [1, 1, 1, 2, 3]):
+        assert len(split_step(work(news), 16, 2)) == 1, news
 
 
 def test_the_front_door_takes_what_a_long_context_model_takes(tmp_path):

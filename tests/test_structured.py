@@ -395,6 +395,30 @@ def test_forced_tokens_without_steps_give_the_tokens_of_decoding_them_one_by_one
             assert re.fullmatch(r"call\([a-z]+, [a-z]+\)", text), text
 
 
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.9, "seed": 11}], ids=["greedy", "seeded"])
+def test_forced_runs_in_a_crowd_share_steps_with_prompt_chunks_and_give_the_same_tokens(model_dir, sampling):
+    """More rows than drafts ride with, and new prompts admitted as others finish: forced runs
+    share steps with prompt chunks, which then run as a second call of the step (engine/batch.py
+    split_step) instead of padding the runs to their width. The tokens are those of stepping
+    through every forced token, and every output still validates."""
+    prompts = [f"# task {i}\n" + "x = step(x) + 1\n" * (i % 5 * 5) + "def f(x):\n    return " for i in range(28)]
+    guide = FORCED_GUIDES[0]
+    runs = {}
+    for skip in (True, False):
+        eng = engine(model_dir, skip_forced_tokens=skip, max_num_seqs=20)
+        calls, step = [], eng.isolation.runner.step
+        eng.isolation.runner.step = lambda batch: calls.append(len(batch.work)) or step(batch)
+        params = parse_sampling_parameters(json.dumps({"max_tokens": 48, **guide, **sampling}), 512, 16)
+        seqs = [eng.make_sequence(p, params, lambda out: None) for p in prompts]
+        eng.generate(seqs)
+        runs[skip] = ([s.output_ids for s in seqs], eng.stats.steps, len(calls), eng.stats.forced_tokens)
+        for seq in seqs:
+            jsonschema.validate(json.loads(eng.codec.decode(seq.output_ids)), guide["json_schema"])
+    assert runs[True][0] == runs[False][0], "the same tokens, with and without skipping"
+    assert runs[True][3] > 0 and runs[True][1] < runs[False][1], "forced runs in a crowd of 20 rows: fewer steps"
+    assert runs[True][2] > runs[True][1], "some steps ran as two calls: forced runs beside prompt chunks"
+
+
 def test_rows_read_token_by_token_never_skip(model_dir):
     """Streaming, stop strings and log-probabilities read every token as it comes: those rows step
     through their forced tokens."""

@@ -4,7 +4,9 @@ Rows that decode one token go to the step's decode group and are built together 
 per-row loop; rows that prefill several tokens (few per step) go to the prefill group. A step of
 at most SMALL_STEP_TOKENS tokens puts every row in the prefill group: padded together they waste
 almost nothing, and the CPU runs such a step on a graph with that group only (export/step.py).
-The layout is export/step.py's.
+The prefill group pads its rows to the widest, so a step whose few-token rows (forced runs,
+drafts) would pad to a prompt chunk's width runs as two calls instead, when the attention model
+says so (`split_step`). The layout is export/step.py's.
 
 What a row costs here does not grow with its context: its table row, its past length and the
 cache slots of its new tokens. The step reads the rest from the block table itself, which the
@@ -18,13 +20,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchstring.engine.block_manager import BlockManager
-from batchstring.engine.block_table import BlockTable, attention_cost, one_span_per_row, pair_carrier, span_blocks
+from batchstring.engine.block_table import BlockTable, one_span_per_row, pair_carrier, span_blocks
 from batchstring.engine.grammar import fill_masks
 from batchstring.engine.sampling import SamplingParams
 from batchstring.engine.sequence import Sequence
 
 SMALL_STEP_TOKENS = 16  # a step of at most this many tokens: one attention group (and, on the CPU, its own session)
-CALL_COST = 4096  # keys' worth (engine/block_table.py's unit) of a second runner call: ~1 ms on the CPU
+CALL_COST = 4096  # keys x queries of attention worth a second runner call (split_step): ~1 ms on the CPU
 
 
 @dataclass(frozen=True)
@@ -131,36 +133,28 @@ def build_step(work: list[Work], blocks: BlockManager, rng: np.random.Generator 
     return StepBatch(feeds, blocks.table, np.concatenate([d.writes, p.writes]), ordered, sampled, sampling)
 
 
-def split_step(work: list[Work], block_size: int, query_group: int) -> list[list[Work]]:
-    """The step's rows as one runner call, or as two when that costs less attention: the prefill
-    group pads its rows to the widest, so a forced run's or a draft's few tokens beside a prompt
-    chunk of a hundred would attend a hundred query positions over their whole past. Rows up to
-    the cut width go to the first call, the others to the second; the cut (or none) is the one of
-    least modelled cost (engine/block_table.py), a second call costing CALL_COST. Rows are
-    independent within a step, so the calls give each row what one call would."""
+def split_step(work: list[Work], block_size: int) -> list[list[Work]]:
+    """The step's rows as one runner call, or as two when that costs less: the prefill group pads
+    its rows to the widest, so a forced run's or a draft's few tokens beside a prompt chunk of a
+    hundred would attend a hundred query positions over their whole past. A cut width c sends the
+    rows up to c to a first call and the wider ones to a second; a prefill row of width w and past
+    p then costs (p + c) x c keys x queries of attention instead of (p + W) x W (W the widest).
+    The cut of most savings splits the step when they exceed CALL_COST. Rows are independent
+    within a step, so the two calls give each row what one call would. O(rows), in numpy."""
     news = np.fromiter((w.new for w in work), np.int64, len(work))
     widths = np.unique(news[news > 1])
     if len(widths) < 2:
         return [work]  # the prefill group has rows of one width: nothing is padded
-    context = np.fromiter((w.seq.num_cached for w in work), np.int64, len(work))
-
-    def call(rows: np.ndarray) -> float:
-        new, past = news[rows], context[rows]
-        if new.sum() <= SMALL_STEP_TOKENS:  # one group (build_step)
-            return attention_cost(past, int(new.max()), block_size, query_group)
-        one = new == 1
-        wide = int(new[~one].max(initial=1))
-        return (attention_cost(past[one], 1, block_size, query_group)
-                + attention_cost(past[~one], wide, block_size, query_group))
-
-    best, cut = call(np.ones(len(work), bool)), None
-    for width in widths[:-1]:
-        short = news <= width
-        cost = call(short) + call(~short) + CALL_COST
-        if cost < best:
-            best, cut = cost, width
-    if cut is None:
+    past = np.fromiter((w.seq.num_cached for w in work), np.int64, len(work))
+    prefill = news > 1
+    wide = int(widths[-1])
+    cuts = widths[:-1, None]  # [K, 1]
+    short = prefill[None, :] & (news[None, :] <= cuts)  # [K, rows]
+    saved = np.where(short, (past + wide) * wide - (past[None, :] + cuts) * cuts, 0).sum(axis=1)
+    best = int(np.argmax(saved))
+    if saved[best] <= CALL_COST:
         return [work]
+    cut = int(widths[best])
     return [[w for w in work if w.new <= cut], [w for w in work if w.new > cut]]
 
 

@@ -76,28 +76,15 @@ def span_blocks(context: np.ndarray, queries: int, block_size: int, group: int) 
     """Blocks per pair for a group whose rows have `context` past tokens and `queries` query
     positions each (1 for decoding rows), with `group` query heads per kv head: the candidate of
     least modelled cost (module docstring). O(rows) per candidate."""
-    return _best_span(context, queries, block_size, group)[0]
-
-
-def attention_cost(context: np.ndarray, queries: int, block_size: int, group: int) -> float:
-    """The modelled cost of a group's attention at its best span (module docstring), with its new
-    tokens' own [S, S] block: what rows padded to `queries` positions pay for it."""
-    if not len(context):
-        return 0.0
-    return _best_span(context, queries, block_size, group)[1] + len(context) * queries * queries
-
-
-def _best_span(context: np.ndarray, queries: int, block_size: int, group: int) -> tuple[int, float]:
     blocks = -(-context // block_size)
     longest = int(blocks.max(initial=0))
     if longest <= 1:
-        return 1, float(len(context) * (block_size * queries + PAIR_COST + group * queries))
+        return 1
     candidates = np.asarray(sorted({c for c in SPANS if c < longest} | {longest}), np.int64)
     pairs = np.maximum(1, -(-blocks[None, :] // candidates[:, None]))  # [candidates, rows]
     keys = pairs * candidates[:, None] * block_size
     cost = (keys * queries + pairs * (PAIR_COST + group * queries)).sum(axis=1)
-    best = int(np.argmin(cost))
-    return int(candidates[best]), float(cost[best])
+    return int(candidates[np.argmin(cost)])
 
 
 def one_span_per_row(context: np.ndarray, block_size: int) -> int | None:

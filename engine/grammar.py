@@ -169,12 +169,9 @@ def forced_runs(constraints: list[Constraint], limits: list[int], eos: frozenset
     runs: list[list[int]] = [[] for _ in constraints]
     live = [i for i, limit in enumerate(limits) if limit > 0]
     while live:
-        fill_masks([constraints[i] for i in live])
         going = []
-        for i in live:
-            constraint = constraints[i]
-            token = _only_token(constraint.mask)
-            if token is None or token in eos or not constraint.advance(token):
+        for i, token in zip(live, only_tokens(fill_masks([constraints[i] for i in live])).tolist()):
+            if token < 0 or token in eos or not constraints[i].advance(token):
                 continue
             runs[i].append(token)
             if len(runs[i]) < limits[i]:
@@ -183,13 +180,14 @@ def forced_runs(constraints: list[Constraint], limits: list[int], eos: frozenset
     return runs
 
 
-def _only_token(mask: np.ndarray) -> int | None:
-    """The one token a packed mask allows, or None if it allows several (or none)."""
-    words = np.flatnonzero(mask)
-    if len(words) != 1:
-        return None
-    word = int(mask[words[0]]) & 0xFFFFFFFF
-    return None if word & (word - 1) else int(words[0]) * 32 + word.bit_length() - 1
+def only_tokens(masks: np.ndarray) -> np.ndarray:
+    """[G] the one token each packed mask [G, words] allows, or -1 where it allows several (or none)."""
+    nonzero = masks != 0
+    word = nonzero.argmax(axis=1)
+    bits = masks[np.arange(len(masks)), word].astype(np.int64) & 0xFFFFFFFF
+    single = (nonzero.sum(axis=1) == 1) & (bits & (bits - 1) == 0)
+    bit = np.log2(np.where(single, bits, 1)).astype(np.int64)  # exact: a power of two
+    return np.where(single, word * 32 + bit, -1)
 
 
 def _first_line(error: object) -> str:

@@ -43,7 +43,7 @@ class IsolatedStep:
 
     def run(self, work: list[Work]) -> tuple[list[Ran], list[tuple[Sequence, BaseException]]]:
         ran, failed = [], []
-        for part in split_step(work, self.scheduler.blocks.block_size, self.query_group):
+        for part in split_step(work, self.scheduler.blocks.block_size):
             part_ran, part_failed = self._bisect(part)
             ran, failed = ran + part_ran, failed + part_failed
         if failed and not ran and not self._probe():

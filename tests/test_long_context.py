@@ -123,9 +123,9 @@ def test_the_block_table_journal_brings_a_device_mirror_up_to_date_with_only_wha
 
 def test_spans_follow_the_rows_one_per_row_when_even_and_many_for_a_long_row_among_short_ones():
     even = np.full(64, 97)
-    assert span_blocks(even, 1, 16, 2) == 7, "seven blocks each: one span per row, no padding"
+    assert span_blocks(even, 1, 16) == 7, "seven blocks each: one span per row, no padding"
     mixed = np.array([97] * 63 + [15000])
-    span = span_blocks(mixed, 1, 16, 2)
+    span = span_blocks(mixed, 1, 16)
     assert span > 1 and span < 64 and pair_count(mixed, span, 16) > 64, "several short spans for the long row"
     keys = pair_count(mixed, span, 16) * span * 16
     assert keys < 1.2 * mixed.sum() + 64 * span * 16, "the keys gathered follow the sum of the contexts"
@@ -145,10 +145,10 @@ def test_a_step_splits_in_two_calls_only_when_padding_would_cost_more_than_a_cal
                 for i, n in enumerate(news)]
 
     crowd = work([1] * 40 + [5] * 12 + [128, 97])
-    first, second = split_step(crowd, 16, 2)
+    first, second = split_step(crowd, 16)
     assert [w.new for w in first] == [1] * 40 + [5] * 12 and [w.new for w in second] == [128, 97]
     for news in ([1] * 40 + [128] * 3, [1] * 40 + [5] * 12, [1] * 40 + [2, 3], [4] * 8 + [1, 6], [1, 1, 1, 2, 3]):
-        assert len(split_step(work(news), 16, 2)) == 1, news
+        assert len(split_step(work(news), 16)) == 1, news
 
 
 def test_the_front_door_takes_what_a_long_context_model_takes(tmp_path):

@@ -26,6 +26,7 @@ import pytest
 
 from batchstring.client import AsyncBatchClient, InvalidArgument
 from batchstring.engine.errors import InvalidRequest
+from batchstring.engine.grammar import only_tokens
 from batchstring.engine.runner import FETCHED, OnnxRunner, RuntimeSpec
 from batchstring.engine.sampling import SamplingParams, parse_sampling_parameters
 from batchstring.server.stats import metrics
@@ -369,6 +370,16 @@ FORCED_GUIDES = [
 ]
 
 
+def test_the_only_token_of_a_packed_mask_is_found_for_every_row_at_once():
+    masks = np.zeros((6, 4), np.int32)
+    masks[0, 0] = 1  # token 0
+    masks[1, 2] = np.int32(-(1 << 31))  # bit 31 of word 2: token 95
+    masks[2, 3] = 1 << 4  # token 100
+    masks[3, 1] = 0b11  # two tokens
+    masks[4, [0, 3]] = 1  # two tokens in two words
+    assert only_tokens(masks).tolist() == [0, 95, 100, -1, -1, -1], "the last row allows nothing"
+
+
 @pytest.mark.parametrize("guide", FORCED_GUIDES, ids=["json_schema", "regex", "grammar"])
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.9, "seed": 11}], ids=["greedy", "seeded"])
 def test_forced_tokens_without_steps_give_the_tokens_of_decoding_them_one_by_one(model_dir, guide, sampling):
@@ -407,7 +418,7 @@ def test_forced_runs_in_a_crowd_share_steps_with_prompt_chunks_and_give_the_same
     for skip in (True, False):
         eng = engine(model_dir, skip_forced_tokens=skip, max_num_seqs=20)
         calls, step = [], eng.isolation.runner.step
-        eng.isolation.runner.step = lambda batch: calls.append(len(batch.work)) or step(batch)
+        eng.isolation.runner.step = lambda batch, calls=calls, step=step: calls.append(len(batch.work)) or step(batch)
         params = parse_sampling_parameters(json.dumps({"max_tokens": 48, **guide, **sampling}), 512, 16)
         seqs = [eng.make_sequence(p, params, lambda out: None) for p in prompts]
         eng.generate(seqs)

@@ -16,9 +16,10 @@ Life of a constrained request:
 - after the step (engine/scheduler.py), `Constraint.advance` feeds the chosen token to the
   matcher; a matcher that cannot take it (its grammar reached a state that admits no token) ends
   the request with an error. Then `forced_runs` takes, for every such row at once, the run of
-  tokens its grammar now admits one at a time (a JSON schema's keys and punctuation): each is the only token its mask
-  allows, so greedy and sampled decoding alike would pick it, and the scheduler appends them
-  without a model step (their keys and values are computed with the row's next step).
+  tokens its grammar now admits one at a time (a JSON schema's keys and punctuation): each is
+  the only token its mask allows, so greedy and sampled decoding alike would pick it, and the
+  scheduler appends them without a model step (their keys and values are computed with the
+  row's next step, engine/batch.py `split_step` keeping them out of a prompt chunk's padding).
 """
 
 from __future__ import annotations

@@ -123,9 +123,9 @@ def test_the_block_table_journal_brings_a_device_mirror_up_to_date_with_only_wha
 
 def test_spans_follow_the_rows_one_per_row_when_even_and_many_for_a_long_row_among_short_ones():
     even = np.full(64, 97)
-    assert span_blocks(even, 1, 16) == 7, "seven blocks each: one span per row, no padding"
+    assert span_blocks(even, 1, 16, 2) == 7, "seven blocks each: one span per row, no padding"
     mixed = np.array([97] * 63 + [15000])
-    span = span_blocks(mixed, 1, 16)
+    span = span_blocks(mixed, 1, 16, 2)
     assert span > 1 and span < 64 and pair_count(mixed, span, 16) > 64, "several short spans for the long row"
     keys = pair_count(mixed, span, 16) * span * 16
     assert keys < 1.2 * mixed.sum() + 64 * span * 16, "the keys gathered follow the sum of the contexts"

@@ -21,12 +21,17 @@ import numpy as np
 
 from batchstring.engine.block_manager import BlockManager
 from batchstring.engine.block_table import BlockTable, one_span_per_row, pair_carrier, span_blocks
+from batchstring.engine.config import EngineConfig
 from batchstring.engine.grammar import fill_masks
 from batchstring.engine.sampling import SamplingParams
 from batchstring.engine.sequence import Sequence
 
 SMALL_STEP_TOKENS = 16  # a step of at most this many tokens: one attention group (and, on the CPU, its own session)
-CALL_COST = 4096  # keys x queries of attention worth a second runner call (split_step): ~1 ms on the CPU
+# Keys x queries of padded attention worth a second runner call of a step (split_step), by device.
+# CPU: ~1 ms, from a fit over recorded steps (BENCHMARKS.md). CUDA: a call is hundreds of kernel
+# launches (milliseconds) while padded attention is cheap, so only padding of millions of keys x
+# queries splits a step; an estimate, not yet measured on a GPU (engine parameter split_step_cost).
+SPLIT_STEP_COSTS = {"cpu": 4096, "cuda": 1 << 24}
 
 
 @dataclass(frozen=True)
@@ -133,13 +138,18 @@ def build_step(work: list[Work], blocks: BlockManager, rng: np.random.Generator 
     return StepBatch(feeds, blocks.table, np.concatenate([d.writes, p.writes]), ordered, sampled, sampling)
 
 
-def split_step(work: list[Work], block_size: int) -> list[list[Work]]:
+def split_cost(config: EngineConfig) -> int:
+    """The engine's split_step_cost: as configured, or (auto) SPLIT_STEP_COSTS for its device."""
+    return config.split_step_cost or SPLIT_STEP_COSTS["cuda" if config.device.startswith("cuda") else "cpu"]
+
+
+def split_step(work: list[Work], block_size: int, call_cost: int) -> list[list[Work]]:
     """The step's rows as one runner call, or as two when that costs less: the prefill group pads
     its rows to the widest, so a forced run's or a draft's few tokens beside a prompt chunk of a
     hundred would attend a hundred query positions over their whole past. A cut width c sends the
     rows up to c to a first call and the wider ones to a second; a prefill row of width w and past
     p then costs (p + c) x c keys x queries of attention instead of (p + W) x W (W the widest).
-    The cut of most savings splits the step when they exceed CALL_COST. Rows are independent
+    The cut of most savings splits the step when they exceed `call_cost`. Rows are independent
     within a step, so the two calls give each row what one call would. O(rows), in numpy."""
     if len({w.new for w in work if w.new > 1}) < 2:
         return [work]  # the prefill group has rows of one width: nothing is padded
@@ -152,7 +162,7 @@ def split_step(work: list[Work], block_size: int) -> list[list[Work]]:
     short = prefill[None, :] & (news[None, :] <= cuts)  # [K, rows]
     saved = np.where(short, (past + wide) * wide - (past[None, :] + cuts) * cuts, 0).sum(axis=1)
     best = int(np.argmax(saved))
-    if saved[best] <= CALL_COST:
+    if saved[best] <= call_cost:
         return [work]
     cut = int(widths[best])
     return [[w for w in work if w.new <= cut], [w for w in work if w.new > cut]]

@@ -6,8 +6,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 RUNTIMES = ("onnxruntime", "torchscript")
-AUTO = 0  # kv_cache_tokens: sized from the free memory (engine/memory.py); max_input_bytes: from the context
-AUTO_PARAMETERS = ("kv_cache_tokens", "max_input_bytes")
+AUTO = 0  # kv_cache_tokens: sized from the free memory (engine/memory.py); max_input_bytes: from the context;
+# split_step_cost: by device (engine/batch.py SPLIT_STEP_COSTS)
+AUTO_PARAMETERS = ("kv_cache_tokens", "max_input_bytes", "split_step_cost")
 # max_input_bytes auto: this many bytes per token of the model's context (English averages ~4 bytes a
 # token, code ~3; only text of much longer tokens than any tokenizer makes reaches it), so the byte cap
 # refuses nothing the context would take and bounds what is tokenised before the context is checked.
@@ -40,6 +41,7 @@ class EngineConfig:
     speculative_tokens: int = 4  # n-gram draft tokens per decoding row and step; 0 = no speculation
     speculative_step_tokens: int = 16  # drafts only while the step, drafts included, has at most this many tokens
     skip_forced_tokens: bool = True  # a constrained row's tokens its grammar admits one at a time need no step
+    split_step_cost: int = AUTO  # keys x queries of padded attention worth a second call of a step; auto: by device
     cuda_graphs: bool = False  # torchscript on a GPU: decode steps replayed from CUDA graphs (engine/buckets.py)
 
     def __post_init__(self) -> None:
@@ -49,6 +51,8 @@ class EngineConfig:
             raise ValueError(f"parameter scheduling must be one of {SCHEDULING}; got {self.scheduling!r}")
         positive = ("max_num_seqs", "max_waiting_seqs", "block_size", "max_num_batched_tokens",
                     "default_max_tokens", "small_step_threads")
+        if self.split_step_cost < 0:
+            raise ValueError(f"parameter split_step_cost must be a positive number or auto; got {self.split_step_cost}")
         if self.max_input_bytes < 0:
             raise ValueError(f"parameter max_input_bytes must be a positive number of bytes or auto; got "
                              f"{self.max_input_bytes}")

@@ -13,7 +13,7 @@ import itertools
 import time
 from pathlib import Path
 
-from batchstring.engine.batch import StepBatch
+from batchstring.engine.batch import StepBatch, split_cost
 from batchstring.engine.block_manager import BlockManager
 from batchstring.engine.config import INPUT_BYTES_PER_TOKEN, EngineConfig
 from batchstring.engine.errors import EngineBroken, InvalidRequest
@@ -57,7 +57,7 @@ class EngineCore:
                                         config.small_step_threads, config.cuda_graphs)
         self.runner = with_faults(runner, config.fault_marker)
         self.isolation = IsolatedStep(self.runner, self.scheduler, self.stats, self.spec.eos_token_ids,
-                                      max(1, self.spec.num_heads // self.spec.num_kv_heads))
+                                      max(1, self.spec.num_heads // self.spec.num_kv_heads), split_cost(config))
         self.grammars = GrammarCompiler(model_dir / "tokenizer.json", self.spec.vocab_size, self.spec.eos_token_ids)
         self._ids = itertools.count()
 

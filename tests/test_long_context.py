@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 import torch
 
-from batchstring.engine.batch import Work, split_step
+from batchstring.engine.batch import SPLIT_STEP_COSTS, Work, split_cost, split_step
 from batchstring.engine.block_table import BlockTable, one_span_per_row, pair_carrier, pair_count, span_blocks
-from batchstring.engine.config import INPUT_BYTES_PER_TOKEN
+from batchstring.engine.config import INPUT_BYTES_PER_TOKEN, EngineConfig
 from batchstring.engine.errors import InvalidRequest
 from batchstring.engine.runner import DeviceTable
 from batchstring.engine.sampling import SamplingParams
@@ -145,10 +145,21 @@ def test_a_step_splits_in_two_calls_only_when_padding_would_cost_more_than_a_cal
                 for i, n in enumerate(news)]
 
     crowd = work([1] * 40 + [5] * 12 + [128, 97])
-    first, second = split_step(crowd, 16)
+    first, second = split_step(crowd, 16, SPLIT_STEP_COSTS["cpu"])
     assert [w.new for w in first] == [1] * 40 + [5] * 12 and [w.new for w in second] == [128, 97]
     for news in ([1] * 40 + [128] * 3, [1] * 40 + [5] * 12, [1] * 40 + [2, 3], [4] * 8 + [1, 6], [1, 1, 1, 2, 3]):
-        assert len(split_step(work(news), 16)) == 1, news
+        assert len(split_step(work(news), 16, SPLIT_STEP_COSTS["cpu"])) == 1, news
+
+
+def test_the_split_cost_is_the_devices_unless_configured(tmp_path):
+    def parse(value: str, device: str) -> EngineConfig:
+        return EngineConfig.from_parameters({"split_step_cost": value}, model_dir=tmp_path, device=device)
+
+    assert split_cost(parse("auto", "cpu")) == SPLIT_STEP_COSTS["cpu"]
+    assert split_cost(parse("auto", "cuda:1")) == SPLIT_STEP_COSTS["cuda"]
+    assert split_cost(parse("100", "cuda:0")) == 100
+    with pytest.raises(ValueError, match="split_step_cost must be a positive number or auto; got -1"):
+        parse("-1", "cpu")
 
 
 def test_the_front_door_takes_what_a_long_context_model_takes(tmp_path):

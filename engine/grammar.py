@@ -172,9 +172,9 @@ def fill_masks(constraints: list[Constraint]) -> np.ndarray:
 def forced_runs(constraints: list[Constraint], limits: list[int], eos: frozenset[int]) -> list[list[int]]:
     """Each row's run of tokens its grammar admits one at a time from here, consumed: at most its
     limit, and none that ends the text (the step decides that, as min_tokens may forbid it). A
-    round per token: the masks of every row still in a run are computed together (`fill_masks`,
-    in parallel), so a batch's runs cost rounds, not rows x tokens, of mask work. The last mask
-    computed is the row's next step's."""
+    round per token: the masks of every row still in a run are computed in one `fill_masks` call
+    (in parallel when there are many) and their only tokens found together, so a batch's runs
+    cost rounds, not rows x tokens, of Python. The last mask computed is the row's next step's."""
     runs: list[list[int]] = [[] for _ in constraints]
     live = [i for i, limit in enumerate(limits) if limit > 0]
     while live:

@@ -151,10 +151,11 @@ def split_step(work: list[Work], block_size: int, call_cost: int) -> list[list[W
     p then costs (p + c) x c keys x queries of attention instead of (p + W) x W (W the widest).
     The cut of most savings splits the step when they exceed `call_cost`. Rows are independent
     within a step, so the two calls give each row what one call would. O(rows), in numpy."""
-    if len({w.new for w in work if w.new > 1}) < 2:
+    wider = {w.new for w in work if w.new > 1}
+    if len(wider) < 2:
         return [work]  # the prefill group has rows of one width: nothing is padded
     news = np.fromiter((w.new for w in work), np.int64, len(work))
-    widths = np.unique(news[news > 1])
+    widths = np.asarray(sorted(wider), np.int64)
     past = np.fromiter((w.seq.num_cached for w in work), np.int64, len(work))
     prefill = news > 1
     wide = int(widths[-1])

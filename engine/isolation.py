@@ -33,19 +33,18 @@ class Ran:
 
 class IsolatedStep:
     def __init__(self, runner: PagedCacheRunner, scheduler: Scheduler, stats: EngineStats,
-                 eos_token_ids: tuple[int, ...], query_group: int = 1, split_cost: int = 0) -> None:
+                 eos_token_ids: tuple[int, ...], query_group: int, split_cost: int) -> None:
         self.runner = runner
         self.scheduler = scheduler
         self.stats = stats
         self.probe_token = eos_token_ids[0] if eos_token_ids else 0
         self.rng = np.random.default_rng()  # the random numbers of requests without a seed
         self.query_group = query_group  # query heads per kv head, for the choice of span (build_step)
-        self.split_cost = split_cost  # padded attention worth a second call (split_step; 0: never split)
+        self.split_cost = split_cost  # padded attention worth a second call of a step (split_step)
 
     def run(self, work: list[Work]) -> tuple[list[Ran], list[tuple[Sequence, BaseException]]]:
         ran, failed = [], []
-        parts = split_step(work, self.scheduler.blocks.block_size, self.split_cost) if self.split_cost else [work]
-        for part in parts:
+        for part in split_step(work, self.scheduler.blocks.block_size, self.split_cost):
             part_ran, part_failed = self._bisect(part)
             ran, failed = ran + part_ran, failed + part_failed
         if failed and not ran and not self._probe():

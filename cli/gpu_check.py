@@ -18,7 +18,11 @@ limit and each written to results/gpu-check/report.md and report.json as soon as
    reference, one long-context row among short ones (its greedy tokens against its run alone, and
    the device time per decode step beside the short rows alone);
 5. decode steps replayed from CUDA graphs (`cuda_graphs`) against without: the same greedy tokens,
-   and device time per step beside each other.
+   and device time per step beside each other;
+6. structured output (where llguidance is installed; tier 1 does not need it): JSON-schema
+   requests against free ones of as many tokens, and with forced-token skipping against without,
+   in runs taking turns at batch 16 and 64: tokens/s, requests/s, device and host time per step,
+   every completion parsed.
 
 `--device cpu --quick` runs the same stages on the CPU with tiny shapes and few tokens (`make
 test` runs it). Tier 2, `--full`, adds what needs a GPU host with an index and `make install`:
@@ -418,6 +422,135 @@ def cuda_graphs(ctx: dict) -> list[str]:
     return lines
 
 
+STRUCTURED_KINDS = ("free", "constrained", "constrained, no skipping")
+
+
+def structured_output(ctx: dict) -> list[str]:
+    """JSON-schema requests on the device against free requests of as many tokens, and with
+    forced-token skipping against without, in runs taking turns: what constraining costs where
+    the step does not share the host's cores, and whether skipping a forced run's steps pays
+    there. Every completion that ends must parse and hold its schema's keys. Greedy tokens with
+    and without skipping are identical in float32 (the tests); in 16 bits a forced token's keys,
+    computed in a row of several tokens instead of one, may round apart and flip a near-tie (on
+    the CPU, one row of 16 at a log-probability gap of 0.22), so one row in ten (at least one)
+    may differ; a wrong cache for forced tokens changes most rows."""
+    from batchstring.engine.config import EngineConfig
+    from batchstring.engine.core import EngineCore
+    from batchstring.engine.runner import RuntimeSpec, build_runner
+
+    if importlib.util.find_spec("llguidance") is None:
+        return ["not measured: llguidance (constrained decoding) is not installed here; tier 1 does not need it. "
+                "`python3 -m pip install llguidance==1.9.1` (one wheel, no dependencies) and rerun"]
+    scope = ctx["scope"]
+    model_dir = ctx["exports"].get((SHIPPED, "float16"))
+    if model_dir is None:
+        raise CheckFailed(f"the float16 export of the {SHIPPED} did not succeed (see its stage)")
+    spec = RuntimeSpec.load(model_dir / "runtime.json")
+    batches = (4,) if scope.quick else (16, 64)
+    cores = {}
+    for skip in (True, False):
+        config = EngineConfig(model_dir=model_dir, runtime="torchscript", device=scope.device,
+                              kv_cache_tokens=max(batches) * 512, max_num_seqs=max(batches), skip_forced_tokens=skip)
+        runner = TimedRunner(build_runner("torchscript", model_dir, spec, max(batches) * 512 // 16, 16, scope.device,
+                                          0), scope.device.startswith("cuda"))
+        cores[skip] = (EngineCore(config, runner), runner)
+    lines = ["| batch | traffic | output tok/s | requests/s | steps | device ms/step | runner ms/step | host ms/step |",
+             "|---|---|---|---|---|---|---|---|"]
+    for batch in batches:
+        lines += _structured_rows(cores, batch)
+    del cores
+    _free_device(scope.device)
+    return lines
+
+
+@dataclass
+class Tally:
+    """What runs of one kind of traffic added up to."""
+
+    tokens: int = 0
+    requests: int = 0
+    wall: float = 0.0
+    steps: int = 0
+    device: float | None = None  # CUDA events; None on the CPU
+    runner: float = 0.0
+
+    def add(self, seqs: list, wall: float, steps: int, runner: TimedRunner) -> None:
+        device = runner.device_seconds()
+        self.tokens += sum(len(s.output_ids) for s in seqs)
+        self.requests += len(seqs)
+        self.wall, self.steps, self.runner = self.wall + wall, self.steps + steps, self.runner + runner.wall
+        self.device = None if device is None else (self.device or 0.0) + device
+
+    def row(self, batch: int, kind: str) -> str:
+        device = f"{self.device / self.steps * 1e3:.2f}" if self.device is not None else "n/a (CPU)"
+        per_step = lambda seconds: f"{seconds / self.steps * 1e3:.2f}"  # noqa: E731
+        return (f"| {batch} | {kind} | {self.tokens / self.wall:,.0f} | {self.requests / self.wall:,.1f} "
+                f"| {self.steps} | {device} | {per_step(self.runner)} | {per_step(self.wall - self.runner)} |")
+
+
+def _structured_rows(cores: dict, batch: int) -> list[str]:
+    """Two rounds of the three kinds of traffic, `batch` requests at once, each round in a new order.
+    Free requests make as many tokens as the first constrained run's requests did on average."""
+    import json
+
+    from batchstring.engine.sampling import parse_sampling_parameters
+    from batchstring.loadtest.workload import extraction_schema
+
+    rate = lambda **values: parse_sampling_parameters(json.dumps(values), 512, 16)  # noqa: E731
+    schemas = [extraction_schema(i % 4) for i in range(batch)]
+    constrained = [rate(max_tokens=48, temperature=0, json_schema=schema) for schema in schemas]
+    prompts = [f"# record {i}\ndef describe_{i}(item):\n    return " for i in range(batch)]
+    tallies = {kind: Tally() for kind in STRUCTURED_KINDS}
+    outputs, free = {}, None
+    for r in (1, 2):  # a constrained run first: it sets the free requests' length
+        for kind in STRUCTURED_KINDS[r:] + STRUCTURED_KINDS[:r]:
+            core, runner = cores[kind != "constrained, no skipping"]
+            if kind == "free":
+                seqs, wall, steps = _timed_generate(core, runner, prompts, [free] * batch)
+            else:
+                seqs, wall, steps = _timed_generate(core, runner, prompts, constrained)
+                _check_records(core, seqs, schemas)
+                outputs[kind] = [s.output_ids for s in seqs]
+                tokens = sum(len(s.output_ids) for s in seqs)
+                free = free or rate(max_tokens=max(1, round(tokens / batch)), temperature=0, ignore_eos=True)
+            tallies[kind].add(seqs, wall, steps, runner)
+    same = sum(a == b for a, b in zip(outputs["constrained"], outputs["constrained, no skipping"]))
+    if batch - same > max(1, batch // 10):
+        raise CheckFailed(f"greedy JSON completions with forced-token skipping equal those without for only "
+                          f"{same}/{batch} rows")
+    plain, guided = tallies["free"], tallies["constrained"]
+    ratio = (f"| {batch} | constrained / free | {guided.tokens / guided.wall / (plain.tokens / plain.wall):.2f}x "
+             f"| {guided.requests / guided.wall / (plain.requests / plain.wall):.2f}x "
+             f"| tokens with skipping equal without: {same}/{batch} | | | |")
+    return [*(tallies[kind].row(batch, kind) for kind in STRUCTURED_KINDS), ratio]
+
+
+def _timed_generate(core, runner, prompts: list[str], params: list) -> tuple[list, float, int]:
+    runner.reset()
+    steps = core.stats.steps
+    seqs = [core.make_sequence(p, q, lambda out: None) for p, q in zip(prompts, params)]
+    began = time.perf_counter()
+    core.generate(seqs)
+    return seqs, time.perf_counter() - began, core.stats.steps - steps
+
+
+def _check_records(core, seqs: list, schemas: list[dict]) -> None:
+    """A completion that ended before max_tokens is a whole JSON object with its schema's required keys."""
+    import json
+
+    for seq, schema in zip(seqs, schemas):
+        if len(seq.output_ids) >= seq.params.max_tokens:
+            continue
+        text = core.codec.decode(seq.output_ids)
+        try:
+            record = json.loads(text)
+        except ValueError:
+            raise CheckFailed(f"a constrained completion is not JSON: {text[:200]!r}") from None
+        missing = set(schema["required"]) - set(record)
+        if missing:
+            raise CheckFailed(f"a constrained completion lacks the keys {sorted(missing)}: {text[:200]!r}")
+
+
 class HFReference:
     """HF `generate` on the same prompts and device, left-padded, greedy, full length: what a user
     would write without a serving system (default attention implementation)."""
@@ -526,7 +659,8 @@ def stages(scope: Scope, full: bool) -> list[Stage]:
                     engine_on_device(SHIPPED, "float16")),
               Stage(f"engine on {scope.device}: {SYNTHETIC}, bfloat16", scope.limit(120),
                     engine_on_device(SYNTHETIC, "bfloat16")),
-              Stage(f"CUDA graphs on {scope.device}: {SHIPPED}, float16", scope.limit(60), cuda_graphs)]
+              Stage(f"CUDA graphs on {scope.device}: {SHIPPED}, float16", scope.limit(60), cuda_graphs),
+              Stage(f"structured output on {scope.device}: {SHIPPED}, float16", scope.limit(90), structured_output)]
     if full:
         found += [Stage("tier 2: onnxruntime CUDA provider", 30, onnxruntime_cuda),
                   Stage("tier 2: export float16 (ONNX and TorchScript)", 300, onnx_export),

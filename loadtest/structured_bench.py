@@ -39,16 +39,7 @@ from batchstring.engine.output import RequestOutput
 from batchstring.engine.sampling import SamplingParams, parse_sampling_parameters
 from batchstring.engine.serving import ServingEngine
 from batchstring.export.layout import MODEL_VERSION_DIR
-from batchstring.loadtest.workload import mixed
-
-
-def schema(i: int) -> dict:
-    """Distinct small extraction schemas: field names, enums and bounds vary with i."""
-    return {"type": "object", "additionalProperties": False, "required": [f"name_{i}", "kind", "size"],
-            "properties": {f"name_{i}": {"type": "string", "maxLength": 12 + i % 7},
-                           "kind": {"enum": [f"k{i}", "function", "class"]},
-                           "size": {"type": "integer", "minimum": 0, "maximum": 100 + i},
-                           "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 2}}}
+from batchstring.loadtest.workload import extraction_schema, mixed
 
 
 @dataclass
@@ -167,7 +158,8 @@ def throughput(bench: Bench, prompts: list[str], args: argparse.Namespace, conso
     rows = []
     for temperature in (0.0, args.temperature):
         rate = lambda **v: parse_sampling_parameters(json.dumps(v), 512, 16)  # noqa: E731
-        schemas = [rate(max_tokens=args.max_tokens, temperature=temperature, json_schema=schema(i)) for i in range(4)]
+        schemas = [rate(max_tokens=args.max_tokens, temperature=temperature, json_schema=extraction_schema(i))
+                   for i in range(4)]
         # as many tokens as a constrained request makes on average (measured once, at 16 callers)
         probe, _ = bench.closed_loop([(prompts[k % len(prompts)], schemas[k % 4]) for k in range(count)],
                                            16, args.seconds / 2)
@@ -208,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"{args.concurrency} new requests arriving at once while {args.concurrency} decode...")
         long = rate(max_tokens=args.max_tokens * 4, temperature=args.temperature, ignore_eos=True)
         new_schemas = [rate(max_tokens=args.max_tokens, temperature=args.temperature,
-                            json_schema=schema(1000 + i)) for i in range(args.concurrency)]
+                            json_schema=extraction_schema(1000 + i)) for i in range(args.concurrency)]
         compiled_before = bench.engine.core.grammars.compiled
         fresh, arrived = bench.arrival(prompts, long, new_schemas, settle_steps=5)
         compiled = bench.engine.core.grammars.compiled - compiled_before

@@ -49,3 +49,12 @@ def mixed(count: int, prompt_tokens: tuple[int, int] = (8, 200), max_tokens: tup
         prompt = codec.decode(source[start : start + n])
         items.append(Item(prompt, len(codec.encode(prompt)), int(rng.integers(max_tokens[0], max_tokens[1] + 1))))
     return items
+
+
+def extraction_schema(i: int) -> dict:
+    """Distinct small JSON schemas for structured traffic: field names, enums and bounds vary with i."""
+    return {"type": "object", "additionalProperties": False, "required": [f"name_{i}", "kind", "size"],
+            "properties": {f"name_{i}": {"type": "string", "maxLength": 12 + i % 7},
+                           "kind": {"enum": [f"k{i}", "function", "class"]},
+                           "size": {"type": "integer", "minimum": 0, "maximum": 100 + i},
+                           "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 2}}}

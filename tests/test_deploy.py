@@ -190,14 +190,16 @@ def test_gpu_check_runs_end_to_end_on_the_cpu_with_what_the_acceptance_machine_h
                              str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
-    assert [s["status"] for s in report["stages"]] == ["pass"] * 9
+    assert [s["status"] for s in report["stages"]] == ["pass"] * 10
     text = (tmp_path / "report.md").read_text()
     for part in ("environment", "synthetic Llama-3.2-1B shape checkpoint", "shipped model, float16",
                  "shipped model, bfloat16", "synthetic Llama-3.2-1B shape, bfloat16", "max |Δ|/max(1,|truth|)",
                  "greedy 8 tokens identical to HF generate", "kv_cache_tokens auto on cpu: auto:",
                  "set by the live (4 sequences x 512-token context) ceiling", "| 4 |", "HF generate tok/s",
                  "long-context row", "long row among short ones: 3 rows of 97 past tokens and one of 200",
-                 "per decode step, against", "CUDA graphs on cpu", "graphs are captured on CUDA devices only"):
+                 "per decode step, against", "CUDA graphs on cpu", "graphs are captured on CUDA devices only",
+                 "structured output on cpu", "| 4 | constrained, no skipping |", "| 4 | constrained / free |",
+                 "tokens with skipping equal without:"):
         assert part in text, part
 
 

@@ -285,3 +285,17 @@ def test_the_weights_counted_are_those_each_runtime_loads(tmp_path):
     for name in ("model.small.onnx", "model.small.onnx.data"):
         (tmp_path / name).unlink()
     assert weight_bytes(tmp_path, "onnxruntime", "cpu", 0) == 2 * 30, "a second session of model.onnx"
+
+
+def test_the_structured_output_stage_says_what_to_install_where_llguidance_is_missing(monkeypatch):
+    """Tier 1 needs no llguidance: its stage reports how to add it (the version we pin) instead of
+    failing the check."""
+    from batchstring.cli import gpu_check
+
+    real = gpu_check.importlib.util.find_spec
+    monkeypatch.setattr(gpu_check.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llguidance" else real(name, *a))
+    lines = gpu_check.structured_output({"scope": gpu_check.Scope("cpu", True), "exports": {}})
+    pin = next(d for d in tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+               if d.startswith("llguidance=="))
+    assert lines[0].startswith("not measured") and f"pip install {pin}`" in lines[0]

@@ -3,7 +3,8 @@
 The engine is llguidance (see the README for why): it computes a row's mask of allowed tokens
 lazily, from the grammar's current state, instead of compiling the whole grammar against the
 vocabulary up front, so a new schema costs about a millisecond before its first token and the
-per-step masks of a whole batch are computed in parallel in Rust without the GIL.
+per-step masks of a whole batch are computed in Rust without the GIL (in parallel where the host
+has the cores for it).
 
 Life of a constrained request:
 - `EngineCore.make_sequence` (the caller's thread, never the engine's) compiles its `Guide`:
@@ -31,13 +32,17 @@ from pathlib import Path
 
 import numpy as np
 
+from batchstring.engine.cores import available_cores
 from batchstring.engine.errors import InvalidRequest
 from batchstring.engine.sampling import Guide
 
 COMPILE_SECONDS = 2.0  # a grammar that takes longer to compile (and check) than this is refused
 CACHE_ENTRIES = 512  # compiled grammars kept, least recently used first out
-# Fewer masks than this are computed on the calling thread: handing a few to the executor's pool
-# costs more than they do (2 masks: 84 us in parallel, 33 us one after the other; 16: the same).
+# Masks are computed in llguidance's pool only where it has cores to spread them over and there
+# are PARALLEL_MASKS or more; else on the calling thread. On 2 cores the pool (one thread, its
+# default of 80% of the CPUs, or two) lost at every batch size: 16 masks per step 1.0-1.2 ms
+# against 0.8 in turn, 64 2.3-2.6 against 2.1-2.2 (BENCHMARKS.md); 2 masks 84 us against 33.
+POOL_MIN_CORES = 4
 PARALLEL_MASKS = 8
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -45,7 +50,6 @@ JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separat
 def _llguidance():
     """Imported on first use: engines that never see a constrained request do not load it."""
     import llguidance
-    import llguidance.numpy
 
     return llguidance
 
@@ -141,26 +145,37 @@ class GrammarCompiler:
 
 
 
-_executor = None
-_executor_lock = threading.Lock()
+_pool = None  # llguidance's executor; False where the host has fewer than POOL_MIN_CORES cores
+_pool_lock = threading.Lock()
+
+
+def _mask_pool():
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            cores = available_cores()
+            _pool = _llguidance().LLExecutor(min(32, cores)) if cores >= POOL_MIN_CORES else False
+        return _pool
 
 
 def fill_masks(constraints: list[Constraint]) -> np.ndarray:
-    """[G, words] int32: each row's allowed tokens now, computed in parallel outside the GIL when
-    there are PARALLEL_MASKS or more (a mask computed already for the same state, by
-    `forced_runs`, is reused)."""
-    global _executor
-    with _executor_lock:
-        if _executor is None:
-            _executor = _llguidance().LLExecutor()
-    masks = np.zeros((len(constraints), constraints[0].words), np.int32)
+    """[G, words] int32: each row's allowed tokens now, computed outside the GIL, in parallel where
+    there are cores for it (`POOL_MIN_CORES`, `PARALLEL_MASKS`). A mask computed already for the
+    same state, by `forced_runs`, is reused. The rows are written in place through the matcher's
+    pointer call, which llguidance's numpy helpers wrap with per-row checks this fresh array
+    does not need."""
     missing = [(c.matcher, i) for i, c in enumerate(constraints) if c.mask is None]
-    fill = _llguidance().numpy
-    if len(missing) >= PARALLEL_MASKS:
-        fill.fill_next_token_bitmask_par(_executor, missing, masks)
+    if not missing:  # the step's masks, every one left by forced_runs
+        return np.stack([c.mask for c in constraints])
+    masks = np.zeros((len(constraints), constraints[0].words), np.int32)
+    pool = _mask_pool() if len(missing) >= PARALLEL_MASKS else None
+    row_bytes = masks.shape[1] * masks.itemsize
+    if pool:
+        pool.unsafe_compute_mask_ptr(missing, masks.ctypes.data, row_bytes, len(masks))
     else:
+        base = masks.ctypes.data
         for matcher, i in missing:
-            fill.fill_next_token_bitmask(matcher, masks, i)
+            matcher.unsafe_compute_mask_ptr(base + i * row_bytes, row_bytes)
     for i, c in enumerate(constraints):
         if c.mask is None:
             c.mask = masks[i]

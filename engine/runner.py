@@ -13,7 +13,6 @@ on the device).
 from __future__ import annotations
 
 import json
-import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ import numpy as np
 from batchstring.engine.batch import SMALL_STEP_TOKENS, StepBatch
 from batchstring.engine.block_table import BlockTable
 from batchstring.engine.buckets import PaddedStep, pad_decode
+from batchstring.engine.cores import available_cores
 from batchstring.export.layout import INPUT_NAMES, OUTPUT_NAMES, SMALL_STEP_GRAPH
 
 FETCHED = ("next_tokens", "token_logprobs", "top_ids", "top_logprobs", "new_keys", "new_values")
@@ -232,27 +232,6 @@ def _numpy_dtype(spec: RuntimeSpec):
         raise RuntimeError("onnxruntime cannot hold a bfloat16 cache in host memory; "
                            "serve bfloat16 exports with runtime torchscript")
     return np.dtype(spec.dtype)
-
-
-def available_cores(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
-    """The cores this process may keep busy: its CPU affinity, capped by the cgroup's CPU quota (a
-    container's `--cpus`, a pod's CPU limit), which the affinity does not show. Rounded down: a
-    spinning thread past the quota gets the whole container throttled."""
-    cores = len(os.sched_getaffinity(0))
-    quota = _cgroup_cpu_quota(cgroup)
-    return cores if quota is None else max(1, min(cores, int(quota)))
-
-
-def _cgroup_cpu_quota(root: Path) -> float | None:
-    """CPUs' worth of time per period from cgroup v2 (cpu.max) or v1 (cpu.cfs_quota_us); None: no limit."""
-    if (root / "cpu.max").exists():
-        quota, period = (root / "cpu.max").read_text().split()[:2]
-        return None if quota == "max" else int(quota) / int(period)
-    v1 = root / "cpu"
-    if (v1 / "cpu.cfs_quota_us").exists():
-        quota = int((v1 / "cpu.cfs_quota_us").read_text())
-        return None if quota <= 0 else quota / int((v1 / "cpu.cfs_period_us").read_text())
-    return None
 
 
 class OnnxRunner(PagedCacheRunner):

@@ -33,7 +33,7 @@ from rich.console import Console
 from tqdm import tqdm
 
 from batchstring.client import AsyncBatchClient
-from batchstring.engine.runner import available_cores
+from batchstring.engine.cores import available_cores
 from batchstring.engine.tokenizer import TextCodec
 from batchstring.export.layout import MODEL_VERSION_DIR
 from batchstring.loadtest.bench import Point, Sample, closed_loop, machine, summarize

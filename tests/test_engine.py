@@ -245,7 +245,7 @@ def test_small_steps_run_on_spinning_threads_and_give_the_tokens_of_one_thread(m
     use) that spin between operators; the large steps' session never spins; a single small-step
     thread never spins either and gives the same tokens; zero threads is refused by name."""
     from batchstring.engine.config import EngineConfig
-    from batchstring.engine.runner import available_cores
+    from batchstring.engine.cores import available_cores
 
     cores = available_cores()
     spin = "session.intra_op.allow_spinning"
@@ -272,7 +272,7 @@ def test_small_steps_run_on_spinning_threads_and_give_the_tokens_of_one_thread(m
 def test_available_cores_follow_the_cgroup_quota_as_well_as_the_affinity(tmp_path, files, limit):
     """A container's CPU quota (cgroup v2 or v1) caps the cores the small steps spin on, rounded
     down and at least one; without a quota the affinity decides."""
-    from batchstring.engine.runner import available_cores
+    from batchstring.engine.cores import available_cores
 
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)

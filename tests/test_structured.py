@@ -443,3 +443,42 @@ def test_rows_read_token_by_token_never_skip(model_dir):
         json.dumps({"max_tokens": 48, "temperature": 0, **guide}), 512, 16), lambda out: None, stream=True)
     eng.generate([streamed])
     assert eng.stats.forced_tokens == 0
+
+
+def test_masks_are_the_same_computed_in_turn_in_the_pool_and_by_llguidances_own_helper(model_dir, monkeypatch):
+    """fill_masks writes each row through the matcher's pointer call, in turn or (where the host
+    has POOL_MIN_CORES) in llguidance's pool: both give, row for row, what llguidance's numpy
+    helper gives, for rows in different states of different grammars (and a reused mask)."""
+    import llguidance.numpy
+
+    from batchstring.engine import grammar
+    from batchstring.engine.sampling import Guide
+
+    spec = RuntimeSpec.load(model_dir / "runtime.json")
+    compiler = grammar.GrammarCompiler(model_dir / "tokenizer.json", spec.vocab_size, tuple(spec.eos_token_ids))
+    guides = [Guide(kind, json.dumps(text) if kind == "json_schema" else text)
+              for guide in FORCED_GUIDES for kind, text in guide.items()]
+    rows = []
+    for i in range(12):
+        row = compiler.constraint(guides[i % len(guides)])
+        for _ in range(i // 3):  # a few tokens in: each row's lowest allowed token
+            allowed = np.flatnonzero(np.unpackbits(grammar.fill_masks([row])[0].view(np.uint8), bitorder="little"))
+            row.advance(int(allowed[0]))
+        row.mask = None
+        rows.append(row)
+    expected = np.zeros((len(rows), rows[0].words), np.int32)
+    for i, row in enumerate(rows):
+        llguidance.numpy.fill_next_token_bitmask(row.matcher, expected, i)
+    monkeypatch.setattr(grammar, "_pool", None)
+    monkeypatch.setattr(grammar, "POOL_MIN_CORES", 10**6)
+    in_turn = grammar.fill_masks(rows)
+    assert grammar._pool is False and np.array_equal(in_turn, expected)
+    rows[3].mask = None
+    assert np.array_equal(grammar.fill_masks(rows), expected), "one computed again, the others reused"
+    for row in rows:
+        row.mask = None
+    monkeypatch.setattr(grammar, "_pool", None)
+    monkeypatch.setattr(grammar, "POOL_MIN_CORES", 1)
+    pooled = grammar.fill_masks(rows)
+    assert grammar._pool and np.array_equal(pooled, expected)
+    assert len({row.tobytes() for row in expected}) > 3, "rows in different states"

@@ -16,6 +16,7 @@ runner holds (engine/block_table.py), and each group's pairs are a shape, not an
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
@@ -187,28 +188,36 @@ def _decode_group(decode: list[Work], blocks: BlockManager) -> _Group:
 
 
 def _prefill_group(prefill: list[Work], blocks: BlockManager, offset: int) -> _Group:
-    """Rows of several new tokens (few per step): left-padded to the longest, in packed order."""
+    """Rows of several new tokens: left-padded to the longest, in packed order. Built as array
+    operations over the group's tokens (each row's token ids excepted), so a step of many forced
+    runs or drafts costs what one row does."""
     n, size = len(prefill), blocks.block_size
-    width = max(w.new for w in prefill)
+    news = np.fromiter((w.new for w in prefill), np.int64, n)
+    past = np.fromiter((w.seq.num_cached for w in prefill), np.int64, n)
+    rows = np.fromiter((w.seq.row for w in prefill), np.int64, n)
+    outputs = 1 + np.fromiter((len(w.draft) for w in prefill), np.int64, n)  # positions sampled: drafts + 1
+    width, ends = int(news.max()), np.cumsum(news)
+    row_of, within = _runs(news, ends)  # each new token's row, and its index within the row
+    col = width - news[row_of] + within
+    packed = offset + np.arange(int(ends[-1]))
     tokens = np.zeros((n, width), np.int64)
     mask = np.zeros((n, width), bool)
-    ids, positions, writes, order, last = [], [], [], [], []
-    start = offset
-    for j, w in enumerate(prefill):
-        past, new = w.seq.num_cached, w.new
-        fresh = np.arange(past, past + new)
-        tokens[j, width - new :] = np.arange(start, start + new)
-        mask[j, width - new :] = True
-        ids.append(w.seq.pending_ids(new - len(w.draft)) + list(w.draft))
-        positions.append(fresh)
-        writes.append(blocks.table.array[w.seq.row, fresh // size] * size + fresh % size)
-        order.append(offset + j * width + np.arange(width - new, width))
-        start += new
-        last.extend(range(start - len(w.draft) - 1, start))
-    rows = np.fromiter((w.seq.row for w in prefill), np.int64, n)
-    context = np.fromiter((w.seq.num_cached for w in prefill), np.int64, n)
-    return _Group(np.concatenate(ids).astype(np.int64), np.concatenate(positions), tokens, mask, rows, context,
-                  np.concatenate(writes), np.concatenate(order), np.asarray(last, np.int64))
+    tokens[row_of, col] = packed
+    mask[row_of, col] = True
+    fresh = past[row_of] + within
+    writes = blocks.table.array[rows[row_of], fresh // size] * size + fresh % size
+    ids = np.fromiter(chain.from_iterable(w.seq.pending_ids(w.new - len(w.draft)) + list(w.draft) for w in prefill),
+                      np.int64, len(packed))
+    last_row, last_within = _runs(outputs, np.cumsum(outputs))
+    last = offset + ends[last_row] - outputs[last_row] + last_within
+    return _Group(ids, fresh, tokens, mask, rows, past, writes, offset + row_of * width + col, last)
+
+
+def _runs(lengths: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For runs of `lengths` laid end to end (`ends` their cumulative sum): each item's run, and
+    its index within it."""
+    run = np.repeat(np.arange(len(lengths)), lengths)
+    return run, np.arange(int(ends[-1])) - (ends - lengths)[run]
 
 
 _NO_SAMPLING = (np.zeros(0, np.int64), np.zeros(0, np.float32), np.zeros(0, np.int64), np.zeros(0, np.float32),

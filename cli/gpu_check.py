@@ -432,8 +432,8 @@ def structured_output(ctx: dict) -> list[str]:
     there. Every completion that ends must parse and hold its schema's keys. Greedy tokens with
     and without skipping are identical in float32 (the tests); in 16 bits a forced token's keys,
     computed in a row of several tokens instead of one, may round apart and flip a near-tie (on
-    the CPU, one row of 16 at a log-probability gap of 0.22), so one row in ten (at least one)
-    may differ; a wrong cache for forced tokens changes most rows."""
+    the CPU one row of 16, where the two best tokens were 0.22-0.40 apart in log-probability), so
+    one row in ten (at least one) may differ; a wrong cache for forced tokens changes most rows."""
     from batchstring.engine.config import EngineConfig
     from batchstring.engine.core import EngineCore
     from batchstring.engine.runner import RuntimeSpec, build_runner

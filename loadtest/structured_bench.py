@@ -167,18 +167,26 @@ def throughput(bench: Bench, prompts: list[str], args: argparse.Namespace, conso
         free = rate(max_tokens=mean, temperature=temperature, ignore_eos=True)
         for callers in args.callers:
             driven = {kind: Driven(0, 0.0, []) for kind in KINDS}
+            rounds = []  # constrained / free requests/s of each round: how far apart runs of the same code read
             for r in range(args.rounds):
+                ran = {}
                 for kind in KINDS[r % 3:] + KINDS[: r % 3]:
                     items = [(prompts[k % len(prompts)], _request(kind, k, free, schemas)) for k in range(count)]
-                    one, _ = bench.closed_loop(items, callers, args.seconds)
-                    driven[kind] = driven[kind].add(one)
+                    ran[kind], _ = bench.closed_loop(items, callers, args.seconds)
+                    driven[kind] = driven[kind].add(ran[kind])
+                rounds.append(_requests_per_s(ran["constrained"]) / max(_requests_per_s(ran["free"]), 1e-9))
             label = "greedy" if temperature == 0 else f"temperature {temperature:g}"
             console.print(f"{label}, {callers} callers: done")
             rows.append({"sampling": label, "callers": callers, "tokens_per_request": mean,
-                         **{kind: {"tokens_per_s": d.tokens / d.seconds, "requests_per_s": d.requests / d.seconds,
+                         "requests_ratio_by_round": rounds,
+                         **{kind: {"tokens_per_s": d.tokens / d.seconds, "requests_per_s": _requests_per_s(d),
                                    "step_ms": float(np.mean(d.step_seconds)) * 1e3, "host_share": d.host_share}
                             for kind, d in driven.items()}})
     return rows
+
+
+def _requests_per_s(driven: Driven) -> float:
+    return driven.requests / driven.seconds
 
 
 def run(args: argparse.Namespace) -> int:
@@ -210,14 +218,16 @@ def run(args: argparse.Namespace) -> int:
     table = Table(title=f"structured output: JSON-schema traffic against free traffic of as many tokens a request, "
                         f"separate runs taking turns ({args.rounds} rounds of {args.seconds:g} s)")
     for col in ("sampling", "callers", "free tok/s", "constrained", "ratio", "mixed", "ratio", "req/s free / constr.",
-                "step ms free / constr.", "host share free / constr."):
+                "req/s ratio: rounds", "step ms free / constr.", "host share free / constr."):
         table.add_column(col, justify="right")
     for c in cells:
         f, k, m = c["free"], c["constrained"], c["mixed"]
+        rounds = c["requests_ratio_by_round"]
         table.add_row(c["sampling"], str(c["callers"]), f"{f['tokens_per_s']:.0f}", f"{k['tokens_per_s']:.0f}",
                       f"{k['tokens_per_s'] / f['tokens_per_s']:.2f}x", f"{m['tokens_per_s']:.0f}",
                       f"{m['tokens_per_s'] / f['tokens_per_s']:.2f}x",
                       f"{f['requests_per_s']:.1f} / {k['requests_per_s']:.1f}",
+                      f"{min(rounds):.2f}-{max(rounds):.2f}x",
                       f"{f['step_ms']:.2f} / {k['step_ms']:.2f}", f"{f['host_share']:.0%} / {k['host_share']:.0%}")
     console.print(table)
     console.print(f"p99 step time while {args.concurrency} requests arrive at once, {compiled} with new schemas: "

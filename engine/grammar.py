@@ -40,8 +40,9 @@ COMPILE_SECONDS = 2.0  # a grammar that takes longer to compile (and check) than
 CACHE_ENTRIES = 512  # compiled grammars kept, least recently used first out
 # Masks are computed in llguidance's pool only where it has cores to spread them over and there
 # are PARALLEL_MASKS or more; else on the calling thread. On 2 cores the pool (one thread, its
-# default of 80% of the CPUs, or two) lost at every batch size: 16 masks per step 1.0-1.2 ms
-# against 0.8 in turn, 64 2.3-2.6 against 2.1-2.2 (BENCHMARKS.md); 2 masks 84 us against 33.
+# default of 80% of the CPUs, or two) lost at every batch size: masks per 16-caller step 1.0-1.2 ms
+# against 0.8 in turn, per 64-caller step 2.3-2.6 against 2.1-2.2 (BENCHMARKS.md); 2 masks 84 us
+# against 33.
 POOL_MIN_CORES = 4
 PARALLEL_MASKS = 8
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -150,6 +151,8 @@ _pool_lock = threading.Lock()
 
 
 def _mask_pool():
+    """Made on first use, sized to the cores this process may keep busy (llguidance's own default,
+    80% of the CPUs, is a single thread on two)."""
     global _pool
     with _pool_lock:
         if _pool is None:

@@ -3,8 +3,8 @@
 The engine is llguidance (see the README for why): it computes a row's mask of allowed tokens
 lazily, from the grammar's current state, instead of compiling the whole grammar against the
 vocabulary up front, so a new schema costs about a millisecond before its first token and the
-per-step masks of a whole batch are computed in Rust without the GIL (in parallel where the host
-has the cores for it).
+per-step masks of a whole batch are computed in Rust (in parallel, outside the GIL, where the
+host has the cores for it).
 
 Life of a constrained request:
 - `EngineCore.make_sequence` (the caller's thread, never the engine's) compiles its `Guide`:
@@ -162,8 +162,8 @@ def _mask_pool():
 
 
 def fill_masks(constraints: list[Constraint]) -> np.ndarray:
-    """[G, words] int32: each row's allowed tokens now, computed outside the GIL, in parallel where
-    there are cores for it (`POOL_MIN_CORES`, `PARALLEL_MASKS`). A mask computed already for the
+    """[G, words] int32: each row's allowed tokens now, computed by llguidance in Rust, in parallel
+    where there are cores for it (`POOL_MIN_CORES`, `PARALLEL_MASKS`). A mask computed already for the
     same state, by `forced_runs`, is reused. The rows are written in place through the matcher's
     pointer call, which llguidance's numpy helpers wrap with per-row checks this fresh array
     does not need."""
@@ -191,7 +191,7 @@ def forced_runs(constraints: list[Constraint], limits: list[int], eos: frozenset
     """Each row's run of tokens its grammar admits one at a time from here, consumed: at most its
     limit, and none that ends the text (the step decides that, as min_tokens may forbid it). A
     round per token: the masks of every row still in a run are computed in one `fill_masks` call
-    (in parallel when there are many) and their only tokens found together, so a batch's runs
+    (in parallel where the host has the cores) and their only tokens found together, so a batch's runs
     cost rounds, not rows x tokens, of Python. The last mask computed is the row's next step's."""
     runs: list[list[int]] = [[] for _ in constraints]
     live = [i for i, limit in enumerate(limits) if limit > 0]

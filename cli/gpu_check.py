@@ -193,7 +193,8 @@ def export_and_verify(ctx: dict, model: str, dtype: str) -> list[str]:
     del truth
     prompts, tokens = scope.greedy
     codec = TextCodec.from_file(out / "tokenizer.json")
-    greedy = verify_greedy(hf_16bit, codec.encode, eos, runtimes, np.float32, prompts, tokens)
+    greedy = verify_greedy(hf_16bit, codec.encode, eos, runtimes, np.float32, prompts, tokens,
+                           vocabulary=codec.known_ids())
     del hf_16bit, runtimes
     _free_device(device)
     worst = max(cases, key=lambda c: c.max_diff["torchscript"] / max(c.max_diff[HF_16BIT], 1e-12))

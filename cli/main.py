@@ -14,6 +14,8 @@ from batchstring.client import cli as client_cli
 COMMANDS = {
     "export": ("batchstring.export.cli", "add_export_arguments", "run_export",
                "export a HF decoder checkpoint (see the README's families) to the model repository, verified"),
+    "perplexity": ("batchstring.export.cli", "add_perplexity_arguments", "run_perplexity",
+                   "an export's perplexity on a text file (what a quantization costs, on your own data)"),
     "train": ("batchstring.export.cli", "add_train_arguments", "run_train",
               "retrain the shipped default model from the Python stdlib (~11 min)"),
     "serve": ("batchstring.server.serve", "add_arguments", "run",

@@ -21,11 +21,12 @@ from itertools import chain
 import numpy as np
 
 from batchstring.engine.block_manager import BlockManager
-from batchstring.engine.block_table import BlockTable, one_span_per_row, pair_carrier, span_blocks
+from batchstring.engine.block_table import BlockTable, pair_carrier, single_span_blocks, span_blocks
 from batchstring.engine.config import EngineConfig
 from batchstring.engine.grammar import fill_masks
 from batchstring.engine.sampling import SamplingParams
 from batchstring.engine.sequence import Sequence
+from batchstring.export.contract import SamplingInputs, StepInputs
 
 SMALL_STEP_TOKENS = 16  # a step of at most this many tokens: one attention group (and, on the CPU, its own session)
 # Keys x queries of padded attention worth a second runner call of a step (split_step), by device.
@@ -48,31 +49,6 @@ class Work:
 
 
 @dataclass(frozen=True)
-class SamplingInputs:
-    """Per-row sampling values of the step (export/sampler.py): `ban_rows` are the rows whose
-    end-of-sequence ids are banned (min_tokens); `sample_rows` those that sample or want
-    log-probabilities, with their temperature, top_k, top_p, min_p and one uniform number each;
-    `mask_rows` the rows a grammar constrains, with their packed masks; `adjust_*` one entry per
-    (row, token) whose logit logit_bias or a penalty changes. Rows that use none of these cost
-    nothing: each input names only the rows that use it."""
-
-    ban_rows: np.ndarray
-    sample_rows: np.ndarray
-    temperature: np.ndarray
-    top_k: np.ndarray
-    top_p: np.ndarray
-    uniform: np.ndarray
-    min_p: np.ndarray
-    mask_rows: np.ndarray
-    token_mask: np.ndarray
-    adjust_rows: np.ndarray
-    adjust_tokens: np.ndarray
-    adjust_bias: np.ndarray
-    adjust_scale: np.ndarray
-    adjust_shift: np.ndarray
-
-
-@dataclass(frozen=True)
 class _Group:
     """One attention group's rows (decode or prefill) in export/step.py's layout."""
 
@@ -86,21 +62,20 @@ class _Group:
     order: np.ndarray
     last: np.ndarray
 
-    def feeds(self, name: str, block_size: int, query_group: int, span: int | None = None) -> dict[str, np.ndarray]:
-        """`span`: blocks per pair (None: the cost model's choice, engine/block_table.py)."""
+    def partitions(self, block_size: int, query_group: int, span: int | None = None) -> np.ndarray:
+        """The group's split-K shape carrier; `span`: blocks per partition (None: the cost
+        model's choice, engine/block_table.py)."""
         span = span or span_blocks(self.context, self.tokens.shape[1], block_size, query_group)
-        return {f"{name}_tokens": self.tokens, f"{name}_rows": self.rows, f"{name}_context": self.context,
-                f"{name}_pairs": pair_carrier(self.context, span, block_size)}
+        return pair_carrier(self.context, span, block_size)
 
 
 @dataclass
 class StepBatch:
-    feeds: dict[str, np.ndarray]  # the step's inputs, block table and caches excepted
+    inputs: StepInputs  # the step's inputs, block table and caches excepted (export/contract.py)
     table: BlockTable  # the block table the step reads (the runner passes or mirrors it)
     write_slots: np.ndarray  # [T] cache slot of each new token, in packed order
     work: list[Work]  # every sequence in the step, in packed order (decode group first, if any)
     sampled: list[Sequence]  # the R sequences whose next token comes back, in output order
-    sampling: SamplingInputs
 
 
 def build_step(work: list[Work], blocks: BlockManager, rng: np.random.Generator | None = None,
@@ -125,18 +100,20 @@ def build_step(work: list[Work], blocks: BlockManager, rng: np.random.Generator 
         keep = np.repeat(np.fromiter((w.samples for w in ordered), bool, len(ordered)), outputs)
         logit_tokens = logit_tokens[keep]
         sampled = [w.seq for w, n in zip(ordered, outputs) if w.samples for _ in range(n)]
-    sampling = sampling_inputs(sampled, rng or np.random.default_rng())
     size = blocks.block_size
     # A small step whose rows fit one span each without much waste runs, on the CPU, on the
-    # single-group graph, whose pairs are its rows (engine/runner.py OnnxRunner)
-    rows_span = one_span_per_row(p.context, size) if single_group else None
-    feeds = {
-        "input_ids": np.concatenate([d.ids, p.ids]), "position_ids": np.concatenate([d.positions, p.positions]),
-        **d.feeds("decode", size, query_group), **p.feeds("prefill", size, query_group, rows_span),
-        "prefill_mask": p.mask,
-        "token_order": np.concatenate([d.order, p.order]), "logit_tokens": logit_tokens, **vars(sampling),
-    }
-    return StepBatch(feeds, blocks.table, np.concatenate([d.writes, p.writes]), ordered, sampled, sampling)
+    # single-group graph, whose partitions are its rows (engine/runner.py OnnxRunner)
+    rows_span = single_span_blocks(p.context, size) if single_group else None
+    prefill_pairs = p.partitions(size, query_group, rows_span)
+    inputs = StepInputs(
+        input_ids=np.concatenate([d.ids, p.ids]), position_ids=np.concatenate([d.positions, p.positions]),
+        decode_tokens=d.tokens, decode_rows=d.rows, decode_context=d.context,
+        decode_pairs=d.partitions(size, query_group),
+        prefill_tokens=p.tokens, prefill_mask=p.mask, prefill_rows=p.rows, prefill_context=p.context,
+        prefill_pairs=prefill_pairs, token_order=np.concatenate([d.order, p.order]), logit_tokens=logit_tokens,
+        sampling=sampling_inputs(sampled, rng or np.random.default_rng()),
+        single_group=single_group and not len(d.rows) and len(prefill_pairs) == len(p.rows))
+    return StepBatch(inputs, blocks.table, np.concatenate([d.writes, p.writes]), ordered, sampled)
 
 
 def split_cost(config: EngineConfig) -> int:

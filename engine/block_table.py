@@ -16,7 +16,7 @@ from its journal of changes.
 PAIR_COST keys' worth more (a small matrix multiply per kv head, its scatter entries) plus its
 queries' gather. Uniform rows get one pair each (the whole past in one span, as a padded batch
 would, but without its padding); a long row among short ones gets many pairs of a few blocks.
-`one_span_per_row` says when a small step may take the single-group graph, whose pairs are its
+`single_span_blocks` says when a small step may take the single-group graph, whose pairs are its
 rows: when one span as long as the longest row wastes little.
 """
 
@@ -87,7 +87,7 @@ def span_blocks(context: np.ndarray, queries: int, block_size: int, group: int) 
     return int(candidates[np.argmin(cost)])
 
 
-def one_span_per_row(context: np.ndarray, block_size: int) -> int | None:
+def single_span_blocks(context: np.ndarray, block_size: int) -> int | None:
     """Blocks of the longest row, when one span that long per row gathers at most twice the
     keys the rows hold (and a block per row more); else None."""
     blocks = -(-context // block_size)

@@ -209,7 +209,7 @@ class EngineCore:
             entry = None
             if seq.params.logprobs is not None:  # such rows are always among the sampled ones
                 if sample_index is None:
-                    sample_index = {int(row): m for m, row in enumerate(r.batch.sampling.sample_rows)}
+                    sample_index = {int(row): m for m, row in enumerate(r.batch.inputs.sampling.sample_rows)}
                 m, n = sample_index[i], seq.params.logprobs
                 top = tuple(zip(r.out.top_ids[m, :n].tolist(), r.out.top_logprobs[m, :n].tolist()))
                 entry = TokenLogprob(token, float(r.out.logprobs[m]), top)

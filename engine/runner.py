@@ -19,13 +19,13 @@ from pathlib import Path
 
 import numpy as np
 
-from batchstring.engine.batch import SMALL_STEP_TOKENS, StepBatch
+from batchstring.engine.batch import StepBatch
 from batchstring.engine.block_table import BlockTable
 from batchstring.engine.buckets import PaddedStep, pad_decode
 from batchstring.engine.cores import available_cores
-from batchstring.export.layout import INPUT_NAMES, OUTPUT_NAMES, SMALL_STEP_GRAPH
+from batchstring.export.contract import FETCHED, INPUT_NAMES, OUTPUT_NAMES, Held, StepInputs, arguments
+from batchstring.export.layout import SMALL_STEP_GRAPH
 
-FETCHED = ("next_tokens", "token_logprobs", "top_ids", "top_logprobs", "new_keys", "new_values")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
@@ -82,8 +82,8 @@ class RuntimeSpec:
 @dataclass(frozen=True)
 class StepOutput:
     tokens: np.ndarray  # [R] int64: the next token of each sampled row
-    logprobs: np.ndarray  # [M] float32: for the rows of feeds["sample_rows"], their token's log-probability
-    top_ids: np.ndarray  # [M, n]: for the rows of feeds["sample_rows"], the most likely tokens
+    logprobs: np.ndarray  # [M] float32: for the rows of inputs.sampling.sample_rows, their token's log-probability
+    top_ids: np.ndarray  # [M, n]: for those rows, the most likely tokens
     top_logprobs: np.ndarray  # [M, n]
 
 
@@ -93,11 +93,11 @@ class PagedCacheRunner:
     spec: RuntimeSpec
 
     def step(self, batch: StepBatch) -> StepOutput:
-        tokens, logprobs, top_ids, top_logprobs, new_keys, new_values = self._run(batch.feeds, batch.table)
+        tokens, logprobs, top_ids, top_logprobs, new_keys, new_values = self._run(batch.inputs, batch.table)
         self._write(batch.write_slots, new_keys, new_values)
         return StepOutput(tokens, logprobs, top_ids, top_logprobs)
 
-    def _run(self, feeds: dict[str, np.ndarray], table: BlockTable) -> tuple:
+    def _run(self, inputs: StepInputs, table: BlockTable) -> tuple:
         raise NotImplementedError
 
     def _write(self, slots: np.ndarray, new_keys, new_values) -> None:
@@ -266,18 +266,10 @@ class OnnxRunner(PagedCacheRunner):
         self.keys = np.full(spec.cache_shape(num_blocks, block_size), 0.0, _numpy_dtype(spec))
         self.values = np.full(spec.cache_shape(num_blocks, block_size), 0.0, _numpy_dtype(spec))
 
-    def _run(self, feeds: dict[str, np.ndarray], table: BlockTable) -> tuple:
+    def _run(self, inputs: StepInputs, table: BlockTable) -> tuple:
         # The caches and the block table are passed by reference: onnxruntime reads numpy memory in place.
-        session = self.small_session if one_span_per_row(feeds) else self.session
-        return session.run(FETCHED, {**feeds, "block_table": table.array, "key_cache": self.keys,
-                                     "value_cache": self.values})
-
-
-def one_span_per_row(feeds: dict[str, np.ndarray]) -> bool:
-    """Whether a step is one the single-group graph computes as the full one does: a small step,
-    every row in the prefill group, each with one pair (engine/batch.py decides)."""
-    return (len(feeds["input_ids"]) <= SMALL_STEP_TOKENS and not len(feeds["decode_tokens"])
-            and len(feeds["prefill_pairs"]) == len(feeds["prefill_rows"]))
+        session = self.small_session if inputs.single_group else self.session
+        return session.run(FETCHED, inputs.feeds(Held(table.array, self.keys, self.values)))
 
 
 class OnnxCudaRunner(PagedCacheRunner):
@@ -311,16 +303,16 @@ class OnnxCudaRunner(PagedCacheRunner):
         element = np.int64 if dtype == "int64" else self.elements[dtype]
         bind(name, "cuda", self.device.index or 0, element, list(tensor.shape), tensor.data_ptr())
 
-    def _run(self, feeds: dict[str, np.ndarray], table: BlockTable) -> tuple:
+    def _run(self, inputs: StepInputs, table: BlockTable) -> tuple:
         torch = self.torch
         spec = self.spec
-        tokens, rows = len(feeds["input_ids"]), len(feeds["logit_tokens"])
+        tokens, rows = inputs.tokens, inputs.rows
         new_k = torch.empty((spec.num_layers, spec.num_kv_heads, tokens, spec.head_dim), dtype=self.dtype,
                             device=self.device)
         new_v = torch.empty_like(new_k)
         logits = torch.empty((rows, spec.vocab_size), dtype=torch.float32, device=self.device)
         binding = self.session.io_binding()
-        for name, array in feeds.items():
+        for name, array in inputs.arrays().items():
             binding.bind_cpu_input(name, array)
         self._bind(binding, "block_table", self.table.sync(table))
         self._bind(binding, "key_cache", self.keys)
@@ -360,7 +352,6 @@ class TorchScriptRunner(PagedCacheRunner):
             warnings.simplefilter("ignore", DeprecationWarning)
             self.module = torch.jit.load(str(model_dir / "model.pt"), map_location=self.device).eval()
         self.spec = spec
-        self.names = [n for n in spec.inputs if n not in ("key_cache", "value_cache")]
         graphs = cuda_graphs and self.device.type == "cuda"
         self.keys = torch.zeros(spec.cache_shape(num_blocks + graphs, block_size), dtype=getattr(torch, spec.dtype),
                                 device=self.device)
@@ -374,20 +365,20 @@ class TorchScriptRunner(PagedCacheRunner):
             return super().step(batch)
         return self.graphs.replay(padded, self.table.sync(batch.table))
 
-    def _run(self, feeds: dict[str, np.ndarray], table: BlockTable) -> tuple:
+    def _run(self, inputs: StepInputs, table: BlockTable) -> tuple:
         with self.torch.inference_mode():
-            tokens, logprobs, top_ids, top_logprobs, _, new_k, new_v = self._call(self._inputs(feeds, table))
+            tokens, logprobs, top_ids, top_logprobs, _, new_k, new_v = self._call(self._inputs(inputs, table))
         return (*(t.cpu().numpy() for t in (tokens, logprobs, top_ids, top_logprobs)), new_k, new_v)
 
-    def _inputs(self, feeds: dict[str, np.ndarray], table) -> list:
-        """The step's inputs on the device, in order; `table` a device table or a BlockTable."""
+    def _inputs(self, inputs: StepInputs, table) -> list:
+        """The step's arguments on the device, in order; `table` a device table or a BlockTable."""
         table = table if isinstance(table, self.torch.Tensor) else self.table.sync(table)
         torch = self.torch
-        return [table if n == "block_table" else torch.as_tensor(feeds[n]).to(self.device, non_blocking=True)
-                for n in self.names]
+        return inputs.positional(Held(table, self.keys, self.values),
+                                 lambda array: torch.as_tensor(array).to(self.device, non_blocking=True))
 
     def _call(self, inputs: list) -> tuple:
-        return self.module(*inputs, self.keys, self.values)
+        return self.module(*inputs)
 
     def _write(self, slots, new_keys, new_values) -> None:
         with self.torch.inference_mode():
@@ -409,9 +400,9 @@ class CudaGraphs:
 
     def replay(self, padded: PaddedStep, table) -> StepOutput:
         torch = self.runner.torch
-        graph, inputs, slots, outputs = self.captured.get(padded.key) or self._capture(padded, table)
-        for name, buffer in inputs.items():
-            buffer.copy_(torch.from_numpy(padded.feeds[name]), non_blocking=True)
+        graph, buffers, slots, outputs = self.captured.get(padded.key) or self._capture(padded, table)
+        for buffer, array in zip(buffers, padded.inputs.arrays().values()):
+            buffer.copy_(torch.from_numpy(array), non_blocking=True)
         slots.copy_(torch.from_numpy(padded.write_slots), non_blocking=True)
         graph.replay()
         tokens, logprobs, top_ids, top_logprobs = (t.cpu().numpy() for t in outputs[:4])
@@ -420,10 +411,9 @@ class CudaGraphs:
 
     def _capture(self, padded: PaddedStep, table) -> tuple:
         runner, torch = self.runner, self.runner.torch
-        tensors = runner._inputs(padded.feeds, table)
-        inputs = {n: t.clone() for n, t in zip(runner.names, tensors) if n != "block_table"}  # the static buffers
+        buffers = [torch.as_tensor(array).to(runner.device) for array in padded.inputs.arrays().values()]  # static
         slots = torch.from_numpy(padded.write_slots).to(runner.device)
-        ordered = [table if n == "block_table" else inputs[n] for n in runner.names]
+        ordered = arguments(buffers, Held(table, runner.keys, runner.values))
 
         def step() -> tuple:
             outputs = runner._call(ordered)
@@ -440,7 +430,7 @@ class CudaGraphs:
             with torch.cuda.graph(graph, pool=self.pool):
                 outputs = step()
         self.pool = graph.pool()
-        self.captured[padded.key] = (graph, inputs, slots, outputs)
+        self.captured[padded.key] = (graph, buffers, slots, outputs)
         return self.captured[padded.key]
 
 

@@ -153,7 +153,7 @@ class Speculator:
             self._reseat(seq, accepted + 1)
             row += len(w.draft) + 1
         work = [kept_work.get(w.seq, w) for w in work]
-        return work, _compact_batch(batch, keep), _compact_output(out, keep, batch.sampling.sample_rows)
+        return work, _compact_batch(batch, keep), _compact_output(out, keep, batch.inputs.sampling.sample_rows)
 
     def _accepted(self, w: Work, chosen: list[int]) -> int:
         """Drafts accepted (leading positions where the step chose the draft token), cut so that the
@@ -177,11 +177,10 @@ class Speculator:
 def _compact_batch(batch: StepBatch, keep: np.ndarray) -> StepBatch:
     """The kept rows of `sampled`, and `sample_rows` renumbered to them: what is read after the
     step (the rest of the inputs stay as they ran)."""
-    rows = batch.sampling.sample_rows
+    rows = batch.inputs.sampling.sample_rows
     renumbered = (np.cumsum(keep) - 1)[rows[keep[rows]]]
     sampled = [seq for seq, kept in zip(batch.sampled, keep) if kept]
-    return dataclasses.replace(batch, sampled=sampled,
-                               sampling=dataclasses.replace(batch.sampling, sample_rows=renumbered))
+    return dataclasses.replace(batch, sampled=sampled, inputs=batch.inputs.replace(sample_rows=renumbered))
 
 
 def _compact_output(out: StepOutput, keep: np.ndarray, sample_rows: np.ndarray) -> StepOutput:

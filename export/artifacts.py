@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch.export import Dim
 
-from batchstring.export.layout import INPUT_NAMES, OUTPUT_NAMES
+from batchstring.export.contract import INPUT_NAMES, INPUTS, OUTPUT_NAMES, STATIC_DIMS, Held, SamplingInputs, StepInputs
 from batchstring.export.step import DecoderStep
 
 # The example step's sizes: every dynamic axis has its own size > 1, so the exporter can neither
@@ -28,49 +28,48 @@ EXAMPLE_PREFILL_CONTEXT = (1000, 700)  # spans of 10 x 16: 7 + 5 = 12 pairs
 
 
 def example_inputs(step: DecoderStep) -> tuple[torch.Tensor, ...]:
+    """`example_step` as the step's arguments, the caches in the step's dtype."""
+    inputs, held = example_step(step)
+    cache = torch.from_numpy(held.key_cache).to(step.dtype)
+    return tuple(inputs.positional(Held(torch.from_numpy(held.block_table), cache, cache.clone()), torch.from_numpy))
+
+
+def example_step(step: DecoderStep) -> tuple[StepInputs, Held]:
     """A step of EXAMPLE's sizes: 6 decode rows; 2 prefill rows of 9 and 4 new tokens (padded to
     9); 19 tokens in all; 8 rows want a next token, 5 sample, 3 have EOS banned, 4 follow a
-    grammar, 7 logit adjustments; a table of 13 rows over 41 cache blocks of 16 tokens."""
+    grammar, 7 logit adjustments; a table of 13 rows over 41 cache blocks of 16 tokens (float32)."""
     e = EXAMPLE
-    cache = torch.zeros(len(step.layers), step.num_kv_heads, e["cache_blocks"], e["block_size"], step.head_dim,
-                        dtype=step.dtype)
-    prefill = torch.tensor([list(range(6, 15)), [0] * 5 + [15, 16, 17, 18]])
-    order = torch.tensor([*range(15), 20, 21, 22, 23])
-    table = torch.arange(e["table_rows"] * e["table_width"]).reshape(e["table_rows"], -1) % e["cache_blocks"]
-    return (
-        torch.arange(19) % 7, torch.arange(19),
-        torch.arange(6)[:, None], torch.tensor([3, 0, 7, 1, 12, 5]), torch.tensor(EXAMPLE_DECODE_CONTEXT),
-        torch.zeros(e["decode_pairs"], e["decode_span"], 0, dtype=torch.int64),
-        prefill, prefill > 0, torch.tensor([9, 2]), torch.tensor(EXAMPLE_PREFILL_CONTEXT),
-        torch.zeros(e["prefill_pairs"], e["prefill_span"], 0, dtype=torch.int64), order, table,
-        torch.tensor([0, 1, 2, 3, 4, 5, 14, 18]), torch.tensor([1, 4, 7]), torch.tensor([0, 2, 3, 6, 7]),
-        torch.tensor([0.5, 1.0, 0.0, 2.0, 0.7]), torch.tensor([0, 3, 0, 1, 0]), torch.tensor([1.0, 0.9, 1.0, 0.5, 1.0]),
-        torch.tensor([0.3, 0.7, 1.0, 0.1, 0.5]), torch.tensor([0.0, 0.1, 0.0, 0.05, 0.0]),
-        torch.tensor([0, 2, 5, 7]), torch.full((4, -(-step.vocab_size // 32)), -1, dtype=torch.int32),
-        torch.tensor([0, 0, 2, 3, 5, 6, 7]), torch.tensor([1, 2, 3, 4, 5, 6, 7]), torch.full((7,), 0.5),
-        torch.full((7,), 1.2), torch.full((7,), 0.1),
-        cache, cache.clone(),
-    )
+    cache = np.zeros((len(step.layers), step.num_kv_heads, e["cache_blocks"], e["block_size"], step.head_dim),
+                     np.float32)
+    prefill = np.array([list(range(6, 15)), [0] * 5 + [15, 16, 17, 18]])
+    table = np.arange(e["table_rows"] * e["table_width"]).reshape(e["table_rows"], -1) % e["cache_blocks"]
+    sampling = SamplingInputs(
+        ban_rows=np.array([1, 4, 7]), sample_rows=np.array([0, 2, 3, 6, 7]),
+        temperature=np.array([0.5, 1.0, 0.0, 2.0, 0.7], np.float32), top_k=np.array([0, 3, 0, 1, 0]),
+        top_p=np.array([1.0, 0.9, 1.0, 0.5, 1.0], np.float32), uniform=np.array([0.3, 0.7, 1.0, 0.1, 0.5], np.float32),
+        min_p=np.array([0.0, 0.1, 0.0, 0.05, 0.0], np.float32), mask_rows=np.array([0, 2, 5, 7]),
+        token_mask=np.full((4, -(-step.vocab_size // 32)), -1, np.int32),
+        adjust_rows=np.array([0, 0, 2, 3, 5, 6, 7]), adjust_tokens=np.array([1, 2, 3, 4, 5, 6, 7]),
+        adjust_bias=np.full(7, 0.5, np.float32), adjust_scale=np.full(7, 1.2, np.float32),
+        adjust_shift=np.full(7, 0.1, np.float32))
+    inputs = StepInputs(
+        input_ids=np.arange(19) % 7, position_ids=np.arange(19),
+        decode_tokens=np.arange(6)[:, None], decode_rows=np.array([3, 0, 7, 1, 12, 5]),
+        decode_context=np.array(EXAMPLE_DECODE_CONTEXT), decode_pairs=np.zeros((e["decode_pairs"], e["decode_span"], 0),
+                                                                               np.int64),
+        prefill_tokens=prefill, prefill_mask=prefill > 0, prefill_rows=np.array([9, 2]),
+        prefill_context=np.array(EXAMPLE_PREFILL_CONTEXT),
+        prefill_pairs=np.zeros((e["prefill_pairs"], e["prefill_span"], 0), np.int64),
+        token_order=np.array([*range(15), 20, 21, 22, 23]), logit_tokens=np.array([0, 1, 2, 3, 4, 5, 14, 18]),
+        sampling=sampling)
+    return inputs, Held(table, cache, cache.copy())
 
 
-def dynamic_shapes() -> dict[str, dict[int, Dim]]:
-    d = {name: Dim(name) for name in EXAMPLE}
-    cache = {2: d["cache_blocks"], 3: d["block_size"]}
-    return {
-        "input_ids": {0: d["tokens"]}, "position_ids": {0: d["tokens"]},
-        "decode_tokens": {0: d["decode_rows"]}, "decode_rows": {0: d["decode_rows"]},
-        "decode_context": {0: d["decode_rows"]}, "decode_pairs": {0: d["decode_pairs"], 1: d["decode_span"]},
-        "prefill_tokens": {0: d["prefill_rows"], 1: d["prefill_new"]},
-        "prefill_mask": {0: d["prefill_rows"], 1: d["prefill_new"]}, "prefill_rows": {0: d["prefill_rows"]},
-        "prefill_context": {0: d["prefill_rows"]}, "prefill_pairs": {0: d["prefill_pairs"], 1: d["prefill_span"]},
-        "token_order": {0: d["tokens"]}, "block_table": {0: d["table_rows"], 1: d["table_width"]},
-        "logit_tokens": {0: d["rows"]}, "ban_rows": {0: d["banned_rows"]},
-        **{name: {0: d["sampled_rows"]} for name in ("sample_rows", "temperature", "top_k", "top_p", "uniform",
-                                                     "min_p")},
-        "mask_rows": {0: d["masked_rows"]}, "token_mask": {0: d["masked_rows"], 1: Dim("mask_words")},
-        **{name: {0: d["adjustments"]} for name in INPUT_NAMES if name.startswith("adjust_")},
-        "key_cache": cache, "value_cache": cache,
-    }
+def dynamic_shapes() -> tuple[dict[int, Dim], ...]:
+    """Each input's dynamic axes, in the step's argument order, from the contract's named dims."""
+    dims: dict[str, Dim] = {}
+    return tuple({axis: dims.setdefault(name, Dim(name)) for axis, name in enumerate(tensor.dims)
+                  if isinstance(name, str) and name not in STATIC_DIMS} for tensor in INPUTS)
 
 
 @contextlib.contextmanager
@@ -91,7 +90,7 @@ def write_onnx(step: DecoderStep, path: Path) -> None:
             dynamo=True,
             input_names=list(INPUT_NAMES),
             output_names=list(OUTPUT_NAMES),
-            dynamic_shapes=dynamic_shapes(),
+            dynamic_shapes={"inputs": dynamic_shapes()},
             # One self-contained file unless protobuf's 2 GB limit forces weights out of it.
             external_data=sum(t.numel() * t.element_size() for t in step.state_dict().values()) > 1_800_000_000,
             verbose=False,
@@ -166,12 +165,13 @@ def run_on_meta(model_pt: Path, spec: dict) -> tuple[torch.Tensor, ...]:
     cache = np.zeros((spec["num_layers"], spec["num_kv_heads"], 12, 4, spec["head_dim"]), np.float32)
     rows = [Row([3], [0, 1, 2], 10), Row([5], [3, 4], 7, Sampling(temperature=0.8, top_p=0.9)),
             Row([7, 8, 9, 10], [5, 6], 5, Sampling(temperature=1.0, top_k=5, ban_eos=True))]
-    feeds = pack(rows, cache, cache)
+    inputs, held = pack(rows, cache, cache)
     dtype = getattr(torch, spec["dtype"])
-    inputs = [torch.from_numpy(feeds[n]).to("meta", dtype if n in ("key_cache", "value_cache") else None)
-              for n in INPUT_NAMES]
+    meta = Held(torch.from_numpy(held.block_table).to("meta"),
+                *(torch.from_numpy(c).to("meta", dtype) for c in (held.key_cache, held.value_cache)))
     with torch.no_grad():
-        return function(*inputs, *(w.to("meta") for w in weights))
+        return function(*inputs.positional(meta, lambda a: torch.from_numpy(a).to("meta")),
+                        *(w.to("meta") for w in weights))
 
 
 def runtime_spec(step: DecoderStep, hf_config, tokenizer_eos: list[int], source: str,

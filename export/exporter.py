@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import shutil
 import tempfile
 import time
@@ -20,8 +21,11 @@ import torch
 
 from batchstring.engine.tokenizer import TextCodec
 from batchstring.export import artifacts
+from batchstring.export.contract import CACHES, Held, StepInputs
 from batchstring.export.family import features
-from batchstring.export.layout import DEFAULT_MODEL_DIR, MODEL_VERSION_DIR, SMALL_STEP_GRAPH
+from batchstring.export.layout import DEFAULT_MODEL_DIR, HELDOUT_TEXT, MODEL_VERSION_DIR, SMALL_STEP_GRAPH
+from batchstring.export.perplexity import DEFAULT_TOKENS, perplexity
+from batchstring.export.quantize import MAX_PERPLEXITY_RISE, Quantization, quantize_graph
 from batchstring.export.step import DecoderStep, check_supported
 from batchstring.export.verify import (
     HF_16BIT,
@@ -54,7 +58,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 Loader = Callable[[], "StepFn | None"]  # a runtime loaded when its turn comes; None: it cannot run here
 DTYPES = ("float32", "float16", "bfloat16")
-CACHES = ("key_cache", "value_cache")
 
 
 def default_dtype() -> str:
@@ -99,8 +102,12 @@ def sampling_defaults(hf_model) -> dict:
     return {k: v for k, v in values.items() if v is not None}
 
 
-def _torch_in(feeds: dict, dtype: torch.dtype, device: str = "cpu") -> list[torch.Tensor]:
-    return [torch.from_numpy(feeds[n]).to(device, dtype if n in CACHES else None) for n in artifacts.INPUT_NAMES]
+def torch_arguments(inputs: StepInputs, held: Held, dtype: torch.dtype | None = None,
+                    device: str = "cpu") -> list[torch.Tensor]:
+    """The step's arguments from host arrays, on `device`, the caches in `dtype` (None: as they are)."""
+    caches = (torch.from_numpy(c).to(device, dtype) for c in (held.key_cache, held.value_cache))
+    on_device = Held(torch.from_numpy(held.block_table).to(device), *caches)
+    return inputs.positional(on_device, lambda array: torch.from_numpy(array).to(device))
 
 
 def _numpy_out(outputs) -> tuple:
@@ -108,21 +115,21 @@ def _numpy_out(outputs) -> tuple:
 
 
 def _eager(step: DecoderStep) -> StepFn:
-    def run(**feeds):
+    def run(inputs: StepInputs, held: Held):
         with torch.no_grad():
-            return _numpy_out(step(*_torch_in(feeds, step.dtype)))
+            return _numpy_out(step(*torch_arguments(inputs, held, step.dtype)))
 
     return run
 
 
-def _onnx(path: Path, dtype: str) -> StepFn:
+def onnx_step(path: Path, dtype: str) -> StepFn:
     import onnxruntime as ort
 
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
 
-    def run(**feeds):
-        cast = {n: feeds[n].astype(dtype) if n in CACHES else feeds[n] for n in feeds}
-        return tuple(o.astype("float32") if o.dtype.kind == "f" else o for o in session.run(None, cast))
+    def run(inputs: StepInputs, held: Held):
+        cast = held._replace(key_cache=held.key_cache.astype(dtype), value_cache=held.value_cache.astype(dtype))
+        return tuple(o.astype("float32") if o.dtype.kind == "f" else o for o in session.run(None, inputs.feeds(cast)))
 
     return run
 
@@ -132,9 +139,9 @@ def torchscript_step(path: Path, dtype: torch.dtype, device: str = "cpu") -> Ste
     with artifacts.quiet():
         module = torch.jit.load(str(path), map_location=device)
 
-    def run(**feeds):
+    def run(inputs: StepInputs, held: Held):
         with torch.no_grad():
-            return _numpy_out(module(*_torch_in(feeds, dtype, device)))
+            return _numpy_out(module(*torch_arguments(inputs, held, dtype, device)))
 
     return run
 
@@ -145,16 +152,15 @@ def _runtime_loaders(step: DecoderStep, scratch: Path, dtype: str, console: Cons
     float16). A bfloat16 ONNX graph is checked structurally here and numerically by `make gpu-check`."""
     loaders: dict[str, Loader] = {"eager step": lambda: _eager(step),
                                   "torchscript": lambda: torchscript_step(scratch / "model.pt", step.dtype)}
-    example = {n: t.float().numpy() if t.is_floating_point() else t.numpy()
-               for n, t in zip(artifacts.INPUT_NAMES, artifacts.example_inputs(step))}
+    example = artifacts.example_step(step)
 
     def onnx(path: Path, small: bool) -> StepFn | None:
         try:
             if dtype == "bfloat16":
                 raise NotImplementedError("no bfloat16 kernels in onnxruntime's CPU provider")
-            run = _onnx(path, dtype)
+            run = onnx_step(path, dtype)
             if not small:  # (the small graph takes a small step's packing: engine/batch.py)
-                run(**example)  # kernels missing for this dtype show up here, not mid-verification
+                run(*example)  # kernels missing for this dtype show up here, not mid-verification
         except Exception as exc:  # any refusal to load or run: say so, and check the graph instead
             check_onnx_structure(path, dtype)
             console.print(f"[yellow]onnxruntime (CPU) cannot run the {dtype} graph here ({str(exc)[:200]}); its "
@@ -169,13 +175,16 @@ def _runtime_loaders(step: DecoderStep, scratch: Path, dtype: str, console: Cons
     return loaders
 
 
-def _verify_each(loaders: dict[str, Loader], truth, hf_model, encode, eos: list[int],
-                 dtype: str) -> tuple[list[CaseResult], dict[str, dict[str, bool]]]:
+Greedy = dict[str, dict[str, bool]]  # prompt -> runtime -> identical to HF up to its first near-tie
+
+
+def _verify_each(loaders: dict[str, Loader], truth, hf_model, encode, eos: list[int], dtype: str,
+                 vocabulary: tuple[int, list[int]] | None = None) -> tuple[list[CaseResult], Greedy]:
     """Each runtime against HF, one at a time, each freed before the next loads: a runtime holds
     its own copy of the weights, and a 1.7B-parameter float32 model's four copies would not fit
     beside HF's on a 24 GiB machine. `truth`: the float32 reference; `hf_model`: the checkpoint in
     the export's dtype (the same model in float32). The same seed makes the same cases for each."""
-    references = greedy_references(hf_model, encode, eos)
+    references = greedy_references(hf_model, encode, eos, vocabulary=vocabulary)
     cases: list[CaseResult] = []
     greedy: dict[str, dict[str, bool]] = {prompt: {} for prompt in references}
     for name, load in loaders.items():
@@ -241,18 +250,25 @@ def peak_rss_gib() -> float:
 
 def export_model(
     source: Path | None = None, out_dir: Path = MODEL_VERSION_DIR, console: Console | None = None,
-    dtype: str | None = None,
+    dtype: str | None = None, quantization: Quantization | None = None, force: bool = False,
+    max_rise: float | None = None,
 ) -> ExportResult:
-    """Exports, verifies in a scratch directory, and only then replaces the served files."""
+    """Exports, verifies in a scratch directory, and only then replaces the served files. With
+    `quantization`, the verified ONNX graphs are then quantized and measured (`_quantize`); `force`
+    keeps a quantization whose perplexity rises past `max_rise` percent (None: the scheme's
+    MAX_PERPLEXITY_RISE)."""
     from rich.console import Console
 
     console = console or Console()
     dtype = dtype or default_dtype()
     if dtype not in DTYPES:
         raise SystemExit(f"--dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
+    if quantization and dtype == "bfloat16":
+        raise SystemExit("--quantize measures the quantized graph with ONNX Runtime's CPU provider, which has no "
+                         "bfloat16 kernels: export with --dtype float32 or float16")
     source = Path(source or DEFAULT_MODEL_DIR).resolve()
     started = time.monotonic()
-    stages = Stages(console, 4)
+    stages = Stages(console, 5 if quantization else 4)
     with stages.stage(f"load {source.name} in {dtype}"):
         hf_model = load_checkpoint(source, dtype)
         step, eos = decoder_step(hf_model, source)
@@ -271,19 +287,64 @@ def export_model(
             # 16 bits: the truth in float32 beside the 16-bit copy, ~3x the 16-bit weights, for this stage
             truth = hf_model if dtype == "float32" else load_checkpoint(source, "float32")
             cases, greedy = _verify_each(_runtime_loaders(step, scratch, dtype, console), truth, hf_model,
-                                         codec.encode, eos, dtype)
+                                         codec.encode, eos, dtype, codec.known_ids())
             del truth
         max_diff = report(console, cases, greedy, dtype)
+        if quantization:
+            with stages.stage(f"quantize the ONNX graphs to {quantization.scheme} and measure them"):
+                bound = MAX_PERPLEXITY_RISE[quantization.scheme] if max_rise is None else max_rise
+                _quantize(step, hf_model, codec, eos, scratch, dtype, quantization, bound, force, console)
         out_dir.mkdir(parents=True, exist_ok=True)
-        for optional in ("model.onnx.data", SMALL_STEP_GRAPH, f"{SMALL_STEP_GRAPH}.data"):  # an earlier export's
+        for optional in ("model.onnx.data", SMALL_STEP_GRAPH, f"{SMALL_STEP_GRAPH}.data", "model.pt"):  # earlier
             if not (scratch / optional).exists():
                 (out_dir / optional).unlink(missing_ok=True)
         for produced in scratch.iterdir():  # includes ONNX external data, when there is any
             shutil.move(produced, out_dir / produced.name)
     seconds = time.monotonic() - started
-    console.print(f"[green]exported and verified[/] {source.name} ({dtype}) -> {out_dir} in {seconds:.1f} s, "
+    scheme = f", {quantization.scheme} weights" if quantization else ""
+    console.print(f"[green]exported and verified[/] {source.name} ({dtype}{scheme}) -> {out_dir} in {seconds:.1f} s, "
                   f"peak memory {max(stages.peaks.values()):.2f} GiB")
     return ExportResult(out_dir, seconds, max_diff)
+
+
+def _quantize(step: DecoderStep, hf_model, codec: TextCodec, eos: list[int], scratch: Path, dtype: str,
+              quantization: Quantization, bound: float, force: bool, console: Console) -> None:
+    """Quantizes the verified ONNX graphs in `scratch` and measures what it cost: perplexity on the
+    held-out text against the unquantized graph (refused past `bound` percent unless `force`),
+    logits against HF's forward, greedy tokens against HF `generate`. The TorchScript step is not
+    written: it would serve the unquantized weights."""
+    graphs = [scratch / "model.onnx", *([scratch / SMALL_STEP_GRAPH] if (scratch / SMALL_STEP_GRAPH).exists() else [])]
+    before = sum(_graph_bytes(g) for g in graphs)
+    heldout = codec.encode(HELDOUT_TEXT.read_text())
+    kv_shape = (len(step.layers), step.num_kv_heads, step.head_dim)
+    full = perplexity(onnx_step(graphs[0], dtype), heldout, kv_shape, limit=DEFAULT_TOKENS)
+    counts = [quantize_graph(graph, quantization, step.lm_head.out_features) for graph in graphs]
+    (scratch / "model.pt").unlink()
+    quantized = onnx_step(graphs[0], dtype)
+    low = perplexity(quantized, heldout, kv_shape, limit=DEFAULT_TOKENS)
+    rise = 100 * (low.value / full.value - 1)
+    worst = max(c.max_diff["quantized"] for c in verify_logits(hf_model, {"quantized": quantized}, eos,
+                                                                relative=dtype != "float32"))
+    greedy = verify_greedy(hf_model, codec.encode, eos, {"quantized": quantized}, vocabulary=codec.known_ids())
+    same = sum(ok["quantized"] for ok in greedy.values())
+    spec = json.loads((scratch / "runtime.json").read_text())
+    spec["quantization"] = quantization.record()
+    artifacts.write_runtime_spec(spec, scratch / "runtime.json")
+    after = sum(_graph_bytes(g) for g in graphs)
+    console.print(f"{quantization.describe()}: {counts[0]} matrix multiplies quantized; ONNX graphs "
+                  f"{before / 2**20:.1f} -> {after / 2**20:.1f} MiB ({after / before:.2f}x); perplexity on "
+                  f"{low.tokens} held-out tokens {full.value:.3f} -> {low.value:.3f} ({rise:+.2f}%); logits within "
+                  f"{worst:.2e} of HF; greedy identical to HF for {same}/{len(greedy)} prompts (up to the first "
+                  "near-tie); no TorchScript step (it would hold the unquantized weights)")
+    if rise > bound and not force:
+        raise VerificationError(
+            f"{quantization.scheme} raises perplexity on the held-out text by {rise:.2f}%, past the "
+            f"{bound:g}% an export accepts: keep more precision (--quantize int8, or an unquantized export), or "
+            "pass --force to keep it; nothing was written to the model repository")
+
+
+def _graph_bytes(graph: Path) -> int:
+    return sum(f.stat().st_size for f in (graph, graph.with_name(f"{graph.name}.data")) if f.exists())
 
 
 def decoder_step(hf_model, source: Path) -> tuple[DecoderStep, list[int]]:

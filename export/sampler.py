@@ -32,7 +32,6 @@ Exactness (no full sort of the vocabulary anywhere):
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -172,15 +171,6 @@ def _adjust(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, bias
     x = logits[rows, tokens] + bias
     x = torch.where(x > 0, x / scale, x * scale) - shift
     return logits.index_put((rows, tokens), x)
-
-
-def neutral_inputs(sampled: int) -> dict[str, np.ndarray]:
-    """The inputs that leave a step's choice as it was: no min_p, no grammar, no adjustments."""
-    empty = np.zeros(0, np.float32)
-    return {"min_p": np.zeros(sampled, np.float32), "mask_rows": np.zeros(0, np.int64),
-            "token_mask": np.zeros((0, 0), np.int32), "adjust_rows": np.zeros(0, np.int64),
-            "adjust_tokens": np.zeros(0, np.int64), "adjust_bias": empty, "adjust_scale": empty,
-            "adjust_shift": empty}
 
 
 def _mask(size: int, ids: list[int]) -> torch.Tensor:

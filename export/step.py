@@ -7,46 +7,9 @@ and feeds only the tokens that are new. The step returns the next token of every
 for one (sampled inside the graph, see export/sampler.py) and the keys/values of the new tokens,
 which the engine writes back.
 
-Signature (L layers, H kv heads, D head dim, V vocabulary; every other size dynamic):
-
-    input_ids       int64 [T]            the new tokens of every row, packed
-    position_ids    int64 [T]            absolute position of each
-    decode_tokens   int64 [Bd, 1]        decode group: the packed index of each row's one token
-    decode_rows     int64 [Bd]           each row's row of block_table
-    decode_context  int64 [Bd]           each row's past tokens (in the cache)
-    decode_pairs    int64 [Pd, Cd, 0]    shape carrier: Pd (row, span of Cd blocks) pairs (engine/block_table.py)
-    prefill_tokens  int64 [Bp, Sp]       prefill group: packed index of each new token, LEFT-padded
-    prefill_mask    bool  [Bp, Sp]       True where prefill_tokens is a real token
-    prefill_rows    int64 [Bp]
-    prefill_context int64 [Bp]
-    prefill_pairs   int64 [Pp, Cp, 0]
-    token_order     int64 [T]            where token t sits in (decode rows, then prefill rows x Sp)
-    block_table     int64 [R, W]         cache block of each row's i-th block of tokens (whole, read only)
-    logit_tokens    int64 [R']           packed index of each token whose successor is wanted
-    ban_rows        int64 [K]            rows (of R') whose end-of-sequence ids are banned (min_tokens)
-    sample_rows     int64 [M]            rows (of R') that sample or want log-probabilities
-    temperature     f32   [M]            0 = greedy
-    top_k           int64 [M]            0 = off
-    top_p           f32   [M]
-    uniform         f32   [M]            in (0, 1], from the request's own generator
-    min_p           f32   [M]            0 = off
-    mask_rows       int64 [G]            rows (of R') constrained by a grammar
-    token_mask      int32 [G, W']        their packed bitmasks of allowed tokens (32 * W' >= V)
-    adjust_rows     int64 [E]            logit adjustments (logit_bias, penalties): row of each entry
-    adjust_tokens   int64 [E]            token of each entry
-    adjust_bias     f32   [E]            added
-    adjust_scale    f32   [E]            repetition penalty (1 = none)
-    adjust_shift    f32   [E]            subtracted (frequency * count + presence)
-    key_cache       [L, H, N, S, D]      the engine's paged cache: N blocks of S tokens (read only), model dtype
-    value_cache     [L, H, N, S, D]
-    ->
-    next_tokens     int64 [R']
-    token_logprobs  f32   [M]            log-probability of each sampled row's token under the model
-    top_ids         int64 [M, n]         the n most likely tokens of each sampled row
-    top_logprobs    f32   [M, n]
-    logits          f32   [R', V]        for verification; the engine never fetches them
-    new_keys        [L, H, T, D]         keys of the new tokens (after rotary), packed like input_ids
-    new_values      [L, H, T, D]
+Its inputs and outputs (names, dtypes, shapes, meanings) are export/contract.py's `INPUTS` and
+`OUTPUTS`; `forward` takes them positionally in that order, as the exporters trace it, and reads
+them by name.
 
 Why this shape:
 - Linear layers (projections, MLP, head) run on the packed tokens: no compute is spent on padding.
@@ -92,6 +55,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from batchstring.export.contract import StepArguments
 from batchstring.export.family import Family, UnsupportedModel, family_of, layer_plans, long_rope, rotary_tables
 from batchstring.export.mixture import Mixture
 from batchstring.export.sampler import SamplingHead
@@ -167,56 +131,26 @@ class DecoderStep(nn.Module):
         twin.single_group = True
         return twin
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        decode_tokens: torch.Tensor,
-        decode_rows: torch.Tensor,
-        decode_context: torch.Tensor,
-        decode_pairs: torch.Tensor,
-        prefill_tokens: torch.Tensor,
-        prefill_mask: torch.Tensor,
-        prefill_rows: torch.Tensor,
-        prefill_context: torch.Tensor,
-        prefill_pairs: torch.Tensor,
-        token_order: torch.Tensor,
-        block_table: torch.Tensor,
-        logit_tokens: torch.Tensor,
-        ban_rows: torch.Tensor,
-        sample_rows: torch.Tensor,
-        temperature: torch.Tensor,
-        top_k: torch.Tensor,
-        top_p: torch.Tensor,
-        uniform: torch.Tensor,
-        min_p: torch.Tensor,
-        mask_rows: torch.Tensor,
-        token_mask: torch.Tensor,
-        adjust_rows: torch.Tensor,
-        adjust_tokens: torch.Tensor,
-        adjust_bias: torch.Tensor,
-        adjust_scale: torch.Tensor,
-        adjust_shift: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-    ) -> tuple[torch.Tensor, ...]:
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`inputs` in export/contract.py's order (INPUTS); returns its OUTPUTS."""
+        x = StepArguments(*inputs)
         # Activations keep a leading axis of 1 ([1, T, d]): ONNX Runtime runs 3-D linear layers as
         # MatMul with prepacked weights, measurably faster at small T than the Gemm a 2-D input gets.
-        h = self.embed(input_ids[None])
+        h = self.embed(x.input_ids[None])
         if self.embedding_multiplier != 1.0:
             h = h * self.embedding_multiplier
-        ends = None if self.long_from is None else _row_ends(position_ids, prefill_tokens, prefill_mask)
-        rotations = self._rotary(position_ids, ends)
-        inputs = [(prefill_tokens, prefill_mask, prefill_rows, prefill_context, prefill_pairs)]
+        ends = None if self.long_from is None else _row_ends(x.position_ids, x.prefill_tokens, x.prefill_mask)
+        rotations = self._rotary(x.position_ids, ends)
+        attention = [(x.prefill_tokens, x.prefill_mask, x.prefill_rows, x.prefill_context, x.prefill_pairs)]
         if not self.single_group:
-            decode_mask = torch.ones_like(decode_tokens, dtype=torch.bool)
-            inputs.insert(0, (decode_tokens, decode_mask, decode_rows, decode_context, decode_pairs))
-        groups = [self._group(*group, block_table, key_cache.shape, position_ids) for group in inputs]
-        spans = [group[4].shape[1] * key_cache.shape[3] for group in inputs]  # keys per pair
+            decode_mask = torch.ones_like(x.decode_tokens, dtype=torch.bool)
+            attention.insert(0, (x.decode_tokens, decode_mask, x.decode_rows, x.decode_context, x.decode_pairs))
+        groups = [self._group(*group, x.block_table, x.key_cache.shape, x.position_ids) for group in attention]
+        spans = [group[4].shape[1] * x.key_cache.shape[3] for group in attention]  # keys per split-K partition
         # One flat Gather of whole blocks per layer and group: indexing key_cache[i] first would copy the layer.
-        _, kv_heads, num_blocks, block_size, dim = key_cache.shape
-        flat_keys = key_cache.reshape(-1, block_size, dim)
-        flat_values = value_cache.reshape(-1, block_size, dim)
+        _, kv_heads, num_blocks, block_size, dim = x.key_cache.shape
+        flat_keys = x.key_cache.reshape(-1, block_size, dim)
+        flat_values = x.value_cache.reshape(-1, block_size, dim)
         layer_stride = kv_heads * num_blocks
         new_kv = []
         q_heads = self.num_heads
@@ -234,12 +168,12 @@ class DecoderStep(nn.Module):
                         for flat in (flat_keys, flat_values)]  # [H, P, C * bs, D]
                 q_g, k_g, v_g = _take(qkv, group.tokens).split((q_heads, kv_heads, kv_heads), dim=2)
                 outs.append(self._attention(q_g, k_g, v_g, group, *past, layer.sinks))
-            attended = layer.o_proj(torch.index_select(torch.cat(outs, 1), 1, token_order))
+            attended = layer.o_proj(torch.index_select(torch.cat(outs, 1), 1, x.token_order))
             h = h + self._residual(_norm(layer.attn_post_norm, attended))
             mlp = layer.mlp(_norm(layer.mlp_norm, h))
             h = h + self._residual(_norm(layer.mlp_post_norm, mlp))
             new_kv.append(qkv[:, q_heads:])  # [T, 2H, D]
-        last = _take(h[0], logit_tokens)[None]
+        last = _take(h[0], x.logit_tokens)[None]
         logits = self.lm_head(_norm(self.norm, last))[0].float()
         if self.vocab_size < logits.shape[1]:
             logits = logits[:, : self.vocab_size]
@@ -247,9 +181,9 @@ class DecoderStep(nn.Module):
             logits = logits / self.logits_scaling
         if self.final_softcap:
             logits = _softcap(logits, self.final_softcap)
-        sampled = self.sampler(logits, ban_rows, sample_rows, temperature, top_k, top_p, uniform, min_p,
-                               mask_rows, token_mask, adjust_rows, adjust_tokens, adjust_bias, adjust_scale,
-                               adjust_shift)
+        sampled = self.sampler(logits, x.ban_rows, x.sample_rows, x.temperature, x.top_k, x.top_p, x.uniform,
+                               x.min_p, x.mask_rows, x.token_mask, x.adjust_rows, x.adjust_tokens, x.adjust_bias,
+                               x.adjust_scale, x.adjust_shift)
         new_keys, new_values = torch.stack(new_kv).transpose(1, 2).split(kv_heads, dim=1)  # [L, H, T, D] each
         return (*sampled, logits, new_keys, new_values)
 

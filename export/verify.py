@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from batchstring.engine.block_table import BlockTable, pair_carrier, span_blocks
-from batchstring.export.sampler import CANDIDATES, neutral_inputs
+from batchstring.export.contract import Held, SamplingInputs, StepInputs
+from batchstring.export.sampler import CANDIDATES
 
 HF_16BIT = "HF itself"  # the 16-bit HF forward, measured against the float32 truth as the runtimes are
 # float32: absolute max |Δ|. 16 bits: relative, |Δ| / max(1, |ref|): a few rounding steps
@@ -33,7 +34,7 @@ GREEDY_TOKENS = 32
 GREEDY_PROMPTS = ("def ", "import os\n", "class Parser:\n    def __init__(self")
 NEAR_TIE = 1e-4  # a draw this close (relative to the total mass) to a token boundary is a near-tie
 
-StepFn = Callable[..., tuple[np.ndarray, ...]]
+StepFn = Callable[[StepInputs, Held], tuple[np.ndarray, ...]]  # a runtime's step on host arrays
 
 
 class VerificationError(RuntimeError):
@@ -66,13 +67,13 @@ class SingleGroup:
     def __init__(self, run: StepFn) -> None:
         self.run = run
 
-    def __call__(self, **feeds) -> tuple[np.ndarray, ...]:
-        return self.run(**feeds)
+    def __call__(self, inputs: StepInputs, held: Held) -> tuple[np.ndarray, ...]:
+        return self.run(inputs, held)
 
 
 def pack(rows: list[Row], key_cache: np.ndarray, value_cache: np.ndarray, single_group: bool = False,
-         spans: tuple[int | None, int | None] = (None, None)) -> dict[str, np.ndarray]:
-    """The step's inputs for `rows`, packed in the given order (see export/step.py); with
+         spans: tuple[int | None, int | None] = (None, None)) -> tuple[StepInputs, Held]:
+    """The step's inputs for `rows`, packed in the given order (see export/contract.py); with
     `single_group`, every row in the prefill group with one span as long as the longest row, as
     the engine packs a small step for the single-group graph. `spans`: blocks per pair of the
     decode and the prefill group (None: the engine's cost model)."""
@@ -94,30 +95,31 @@ def pack(rows: list[Row], key_cache: np.ndarray, value_cache: np.ndarray, single
         pre_tokens[j, width - n :] = np.arange(starts[i], starts[i] + n)
         pre_mask[j, width - n :] = True
         order[starts[i] : starts[i] + n] = len(decode) + j * width + np.arange(width - n, width)
-    groups = {}
-    for name, members, queries, span in (("decode", decode, 1, spans[0]), ("prefill", prefill, width, spans[1])):
+    groups = []
+    for members, queries, span in ((decode, 1, spans[0]), (prefill, width, spans[1])):
         context = np.array([rows[i].past for i in members], np.int64)
         if single_group:
             span = max([-(-rows[i].past // block_size) for i in members] + [1])
         span = span or span_blocks(context, queries, block_size, 1)
-        groups |= {f"{name}_rows": np.array(members, np.int64), f"{name}_context": context,
-                   f"{name}_pairs": pair_carrier(context, span, block_size)}
+        groups.append((np.array(members, np.int64), context, pair_carrier(context, span, block_size)))
+    (decode_rows, decode_context, decode_pairs), (prefill_rows, prefill_context, prefill_pairs) = groups
     sampled = [i for i, r in enumerate(rows) if r.sampling.temperature > 0 or r.sampling.top_k or r.sampling.top_p < 1]
     s = [rows[i].sampling for i in sampled]
-    return {
-        "input_ids": np.concatenate([r.new_ids for r in rows]).astype(np.int64),
-        "position_ids": np.concatenate([np.arange(r.past, r.past + len(r.new_ids)) for r in rows]),
-        "decode_tokens": starts[decode][:, None].astype(np.int64), "prefill_tokens": pre_tokens,
-        "prefill_mask": pre_mask, **groups, "token_order": order, "block_table": table.array,
-        "logit_tokens": starts[1:] - 1,
-        "ban_rows": np.array([i for i, r in enumerate(rows) if r.sampling.ban_eos], np.int64),
-        "sample_rows": np.array(sampled, np.int64),
-        "temperature": np.array([x.temperature for x in s], np.float32),
-        "top_k": np.array([x.top_k for x in s], np.int64),
-        "top_p": np.array([x.top_p for x in s], np.float32),
-        "uniform": np.array([x.uniform for x in s], np.float32), **neutral_inputs(len(s)),
-        "key_cache": key_cache, "value_cache": value_cache,
-    }
+    sampling = SamplingInputs.plain(
+        ban_rows=np.array([i for i, r in enumerate(rows) if r.sampling.ban_eos], np.int64),
+        sample_rows=np.array(sampled, np.int64),
+        temperature=np.array([x.temperature for x in s], np.float32),
+        top_k=np.array([x.top_k for x in s], np.int64),
+        top_p=np.array([x.top_p for x in s], np.float32),
+        uniform=np.array([x.uniform for x in s], np.float32))
+    inputs = StepInputs(
+        input_ids=np.concatenate([r.new_ids for r in rows]).astype(np.int64),
+        position_ids=np.concatenate([np.arange(r.past, r.past + len(r.new_ids)) for r in rows]),
+        decode_tokens=starts[decode][:, None].astype(np.int64), decode_rows=decode_rows,
+        decode_context=decode_context, decode_pairs=decode_pairs, prefill_tokens=pre_tokens, prefill_mask=pre_mask,
+        prefill_rows=prefill_rows, prefill_context=prefill_context, prefill_pairs=prefill_pairs,
+        token_order=order, logit_tokens=starts[1:] - 1, sampling=sampling, single_group=single_group)
+    return inputs, Held(table.array, key_cache, value_cache)
 
 
 def place(cache: np.ndarray, blocks: list[int], start: int, values: np.ndarray) -> None:
@@ -179,7 +181,8 @@ class CaseResult:
 
 @dataclass
 class Case:
-    feeds: dict[str, np.ndarray]
+    inputs: StepInputs
+    held: Held
     rows: list[Row]
     ref_logits: np.ndarray
     ref_new_kv: list[tuple[np.ndarray, np.ndarray]]  # per row: [L, H, s, D] keys/values of its new tokens
@@ -228,8 +231,8 @@ def make_case(hf_model, batch: int, past: int, rng: np.random.Generator,
         ref_kv.append((keys[:, :, p:], values[:, :, p:]))
     shuffle = rng.permutation(batch)  # packed order is the engine's choice, not group order
     rows = [rows[i] for i in shuffle]
-    feeds = pack(rows, key_cache, value_cache, spans=CASE_SPANS)
-    return Case(feeds, rows, np.stack(ref_logits)[shuffle], [ref_kv[i] for i in shuffle])
+    inputs, held = pack(rows, key_cache, value_cache, spans=CASE_SPANS)
+    return Case(inputs, held, rows, np.stack(ref_logits)[shuffle], [ref_kv[i] for i in shuffle])
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
@@ -263,8 +266,9 @@ def hf_outputs(hf_model, case: Case) -> tuple:
     device = hf_model.device
     for row in case.rows:
         cache = DynamicCache()
-        for layer in range(case.feeds["key_cache"].shape[0]):
-            past = (read(case.feeds[name], row.blocks, row.past)[layer][None] for name in ("key_cache", "value_cache"))
+        for layer in range(case.held.key_cache.shape[0]):
+            past = (read(cache, row.blocks, row.past)[layer][None] for cache in (case.held.key_cache,
+                                                                                 case.held.value_cache))
             cache.update(*(torch.from_numpy(np.ascontiguousarray(t)).to(device, hf_model.dtype) for t in past), layer)
         with torch.no_grad():
             out = hf_model(input_ids=torch.tensor([row.new_ids], device=device), past_key_values=cache, use_cache=True,
@@ -299,13 +303,13 @@ def verify_logits(hf_model, runtimes: dict[str, StepFn], eos_ids: list[int], see
     results = []
     for batch, past in cases:
         case = make_case(hf_model, batch, past, rng)
-        single = pack(case.rows, case.feeds["key_cache"], case.feeds["value_cache"], single_group=True)
-        outputs = {name: run(**(single if isinstance(run, SingleGroup) else case.feeds))
+        single = pack(case.rows, case.held.key_cache, case.held.value_cache, single_group=True)
+        outputs = {name: run(*(single if isinstance(run, SingleGroup) else (case.inputs, case.held)))
                    for name, run in runtimes.items()}
         errors = {n: case_error(case, o, relative) for n, o in outputs.items()}
         for name, run in runtimes.items():  # a two-group step takes a small step's packing too
             if not isinstance(run, SingleGroup):
-                errors[name] = float(np.max([errors[name], case_error(case, run(**single), relative)]))  # NaN stays
+                errors[name] = float(np.max([errors[name], case_error(case, run(*single), relative)]))  # NaN stays
         if hf_16bit is not None:
             errors[HF_16BIT] = case_error(case, hf_outputs(hf_16bit, case), relative)
         results.append(CaseResult(batch, past, errors,
@@ -331,7 +335,7 @@ def greedy_with_step(run: StepFn, prompt_ids: list[int], new_tokens: int, kv_sha
     for _ in range(new_tokens):
         n_past = len(prompt_ids) + len(out) - len(feed)
         row = Row(feed, blocks, n_past, Sampling(ban_eos=True))
-        next_tokens, *_, k, v = run(**pack([row], key_cache, value_cache, isinstance(run, SingleGroup)))
+        next_tokens, *_, k, v = run(*pack([row], key_cache, value_cache, isinstance(run, SingleGroup)))
         place(key_cache, blocks, n_past, k)
         place(value_cache, blocks, n_past, v)
         out.append(int(next_tokens[0]))
@@ -362,8 +366,15 @@ class GreedyReference:
 
 def greedy_references(hf_model, encode: Callable[[str], list[int]], eos_ids: list[int],
                       prompts: tuple[str, ...] = GREEDY_PROMPTS, new_tokens: int = GREEDY_TOKENS,
-                      tie: float = 2 * TOLERANCE["float32"]) -> dict[str, GreedyReference]:
-    """HF `generate` (greedy, EOS banned as `min_new_tokens` does) per prompt, with its near-ties."""
+                      tie: float = 2 * TOLERANCE["float32"],
+                      vocabulary: tuple[int, list[int]] | None = None) -> dict[str, GreedyReference]:
+    """HF `generate` (greedy, EOS banned as `min_new_tokens` does) per prompt, with its near-ties.
+    `vocabulary`: (ids below this, less these) are the ones the step samples from (the tokenizer's,
+    `DecoderStep`'s vocab_size and never_ids); HF chooses among the same, not among an embedding's
+    padding rows that no text has."""
+    from transformers import LogitsProcessorList
+
+    processors = LogitsProcessorList([StepVocabulary(*vocabulary)] if vocabulary else [])
     references = {}
     for prompt in prompts:
         ids = encode(prompt)
@@ -371,6 +382,7 @@ def greedy_references(hf_model, encode: Callable[[str], list[int]], eos_ids: lis
             out = hf_model.generate(
                 torch.tensor([ids], device=hf_model.device), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                 do_sample=False, eos_token_id=eos_ids or None, pad_token_id=(eos_ids or [0])[0],
+                logits_processor=processors,
                 output_scores=True, return_dict_in_generate=True)  # scores: EOS banned, as the step bans it
         tokens = out.sequences[0, len(ids):].tolist()
         first_tie = runner_up = None
@@ -383,14 +395,28 @@ def greedy_references(hf_model, encode: Callable[[str], list[int]], eos_ids: lis
     return references
 
 
+class StepVocabulary:
+    """A logits processor for HF `generate`: ids the step never samples (past `end`, or `never`)
+    get -inf, so HF's greedy choice is made among the step's ids."""
+
+    def __init__(self, end: int, never: list[int]) -> None:
+        self.end, self.never = end, torch.tensor(never, dtype=torch.long)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores[:, self.end :] = float("-inf")
+        scores[:, self.never.to(scores.device)] = float("-inf")
+        return scores
+
+
 def verify_greedy(hf_model, encode: Callable[[str], list[int]], eos_ids: list[int], runtimes: dict[str, StepFn],
                   cache_dtype: np.dtype = np.float32, prompts: tuple[str, ...] = GREEDY_PROMPTS,
-                  new_tokens: int = GREEDY_TOKENS,
-                  references: dict[str, GreedyReference] | None = None) -> dict[str, dict[str, bool]]:
+                  new_tokens: int = GREEDY_TOKENS, references: dict[str, GreedyReference] | None = None,
+                  vocabulary: tuple[int, list[int]] | None = None) -> dict[str, dict[str, bool]]:
     """Our step loop against HF `generate`, token for token up to the first near-tie, per prompt."""
     cfg = hf_model.config
     kv_shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, hf_model.model.layers[0].self_attn.head_dim)
-    references = references or greedy_references(hf_model, encode, eos_ids, prompts, new_tokens)
+    references = references or greedy_references(hf_model, encode, eos_ids, prompts, new_tokens,
+                                                 vocabulary=vocabulary)
     return {prompt: {name: ref.agrees(greedy_with_step(run, ref.prompt_ids, len(ref.tokens), kv_shape, eos_ids,
                                                        cache_dtype))
                      for name, run in runtimes.items()}

@@ -183,10 +183,10 @@ def operators(model_dir: Path, batches: tuple[int, ...] = (1, 64), past: int = 1
 def _onnx_nodes(model_dir: Path, engine: EngineCore, step) -> int:
     import onnxruntime as ort
 
-    from batchstring.engine.runner import FETCHED, one_span_per_row
+    from batchstring.export.contract import FETCHED, Held
     from batchstring.export.layout import SMALL_STEP_GRAPH
 
-    small = one_span_per_row(step.feeds) and (model_dir / SMALL_STEP_GRAPH).exists()
+    small = step.inputs.single_group and (model_dir / SMALL_STEP_GRAPH).exists()
     graph = SMALL_STEP_GRAPH if small else "model.onnx"
     runner = engine.runner
     with tempfile.TemporaryDirectory() as scratch:
@@ -194,8 +194,7 @@ def _onnx_nodes(model_dir: Path, engine: EngineCore, step) -> int:
         options.enable_profiling = True
         options.profile_file_prefix = str(Path(scratch) / "step")
         session = ort.InferenceSession(str(model_dir / graph), options, providers=["CPUExecutionProvider"])
-        session.run(FETCHED, {**step.feeds, "block_table": step.table.array, "key_cache": runner.keys,
-                              "value_cache": runner.values})
+        session.run(FETCHED, step.inputs.feeds(Held(step.table.array, runner.keys, runner.values)))
         trace = json.loads(Path(session.end_profiling()).read_text())
     return sum(1 for event in trace if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"))
 
@@ -205,7 +204,7 @@ def _aten_operators(engine: EngineCore, step) -> int:
 
     engine.runner.step(step)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-        engine.runner._run(step.feeds, step.table)
+        engine.runner._run(step.inputs, step.table)
     return sum(1 for event in profile.events() if event.name.startswith("aten::") and not _under_aten(event))
 
 

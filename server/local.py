@@ -29,7 +29,7 @@ import psutil
 
 from batchstring.client.defaults import MODEL
 from batchstring.export.layout import MODEL_VERSION_DIR, missing_artifacts
-from batchstring.server.repository import ConfigEdit, write_overlay
+from batchstring.server.repository import ConfigEdit, load_config, parameters, write_overlay
 from batchstring.server.triton import (
     DEFAULT_REPOSITORY,
     TLS,
@@ -147,10 +147,13 @@ class LocalServer:
         return argv
 
     def start(self) -> LocalServer:
-        missing = missing_artifacts(self.repository / MODEL / MODEL_VERSION_DIR.name, self.params.get("runtime"))
+        config = load_config(self.repository, "cpu" if self.config == "cpu" else None)
+        runtime = self.params.get("runtime") or parameters(config).get("runtime")
+        missing = missing_artifacts(self.repository / MODEL / MODEL_VERSION_DIR.name, runtime)
         if missing:
-            raise ServerError(f"model files missing from the repository ({', '.join(missing)}); "
-                              "run `batchstring export` first")
+            raise ServerError(f"model files missing from the repository ({', '.join(missing)}) for runtime "
+                              f"{runtime}; run `batchstring export` first (a quantized export holds model.onnx "
+                              "only: serve it with runtime onnxruntime)")
         install = TritonInstall.find()
         self.clear_leftovers()
         self.sockets.prepare()

@@ -6,13 +6,15 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
+from batchstring.export.layout import STEP_FILES
 from batchstring.frontdoor.batch_store import default_data_dir
 from batchstring.server.local import DRAIN_SECONDS, LocalServer, ServerError
-from batchstring.server.repository import parameters
+from batchstring.server.repository import parameters, repository_for
 from batchstring.server.supervisor import Supervisor
 from batchstring.server.triton import DEFAULT_REPOSITORY, TLS, Ports, TritonNotFound
 
@@ -25,6 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
     p.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY, help="model repository")
+    p.add_argument("--model", type=Path, metavar="DIR",
+                   help="serve this export (`batchstring export --out DIR`) with the repository's configs")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                    help="override an engine parameter of config.pbtxt (repeatable)")
     p.add_argument("--max-body-bytes", type=int, help="largest HTTP request body (default 1 MiB)")
@@ -76,7 +80,25 @@ def run(args: argparse.Namespace) -> int:
     if args.drain_seconds < 0:
         raise SystemExit(f"--drain-seconds must be 0 or more; got {args.drain_seconds:g}")
     tls = TLS(args.tls_cert, args.tls_key) if args.tls_cert else None
-    server = LocalServer(config=args.config, host=args.host, repository=args.repository, tls=tls,
+    if args.model is None:
+        return _serve(args, args.repository, tls)
+    with tempfile.TemporaryDirectory(prefix="batchstring-serve-") as scratch:  # its configs and links
+        return _serve(args, export_repository(args.model, args.repository, Path(scratch)), tls)
+
+
+def export_repository(exported: Path, repository: Path, scratch: Path) -> Path:
+    """A repository serving the export in `exported`, or a refusal that says how to make one."""
+    missing = [name for name in ("runtime.json", "tokenizer.json") if not (exported / name).is_file()]
+    if not any((exported / name).is_file() for name in STEP_FILES.values()):
+        missing.append(" or ".join(STEP_FILES.values()))
+    if missing:
+        raise SystemExit(f"batchstring serve: {exported} is not an export (it lacks {', '.join(missing)}); make one "
+                         f"with `batchstring export --model CHECKPOINT --out {exported}`")
+    return repository_for(exported, scratch / "repository", repository)
+
+
+def _serve(args: argparse.Namespace, repository: Path, tls: TLS | None) -> int:
+    server = LocalServer(config=args.config, host=args.host, repository=repository, tls=tls,
                          ports=Ports(args.http_port, args.grpc_port, args.metrics_port),
                          params=parse_params(args.param), log_path=args.log,
                          max_body_bytes=args.max_body_bytes, max_message_bytes=args.max_message_bytes,

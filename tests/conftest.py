@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import os
 import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -210,3 +211,20 @@ def client(server) -> Iterator:
 
     with BatchClient(server.grpc_url) as c:
         yield c
+
+
+def serve(tmp_path: Path, *options: str) -> tuple[subprocess.Popen, list[int], str]:
+    """`batchstring serve` on free ports, once it says it is ready: (process, ports, its banner)."""
+    from batchstring.server.local import free_ports
+
+    ports = free_ports()
+    proc = subprocess.Popen([*BATCHSTRING, "serve", "--config", "cpu", "--log", str(tmp_path / "serve.log"),
+                             *(f"--{name}-port={port}" for name, port in zip(("http", "grpc", "metrics"), ports)),
+                             *options], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc, ports, proc.stdout.readline()
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from batchstring.export import artifacts
+from batchstring.export.exporter import torch_arguments
 from batchstring.export.step import DecoderStep
 from batchstring.export.verify import VerificationError
 from tests.conftest import BATCHSTRING
@@ -70,11 +70,11 @@ def test_dynamic_axes_are_really_dynamic(exported_tiny, tiny_checkpoint):
         rows.append(Row(rng.integers(0, 4096, new).tolist(), blocks[used : used + -(-past // 3)].tolist(), past,
                         Sampling(temperature=float(i % 2), uniform=0.5)))
         used += -(-past // 3)
-    feeds = pack(rows, rng.standard_normal((2, 2, n, 3, 16)).astype(np.float32),
-                 rng.standard_normal((2, 2, n, 3, 16)).astype(np.float32))
-    outputs = session.run(None, feeds)
+    inputs, held = pack(rows, rng.standard_normal((2, 2, n, 3, 16)).astype(np.float32),
+                        rng.standard_normal((2, 2, n, 3, 16)).astype(np.float32))
+    outputs = session.run(None, inputs.feeds(held))
     with torch.no_grad():
-        ref = step(*(torch.from_numpy(feeds[name]) for name in artifacts.INPUT_NAMES))
+        ref = step(*torch_arguments(inputs, held))
     tokens = sum(new for _, new in lengths)
     assert outputs[4].shape == (7, 4096) and outputs[5].shape == (2, 2, tokens, 16)
     assert np.abs(outputs[4] - ref[4].numpy()).max() < 1e-4
@@ -101,12 +101,12 @@ def test_the_small_step_graph_computes_a_small_steps_packing_as_the_full_graph_w
                 Sampling(temperature=t, uniform=0.4))
             for (past, new, start, t) in ((40, 1, 0, 0.0), (3, 5, 12, 1.0), (0, 1, 14, 0.0), (12, 2, 16, 0.8))]
     caches = [rng.standard_normal((2, 2, 25, 4, 16)).astype(np.float32) for _ in range(2)]
-    feeds = pack(rows, *caches, single_group=True)
-    assert feeds["decode_tokens"].shape[0] == 0 and feeds["prefill_tokens"].shape == (4, 5)
-    ours, theirs = small.run(None, feeds), full.run(None, feeds)
+    inputs, held = pack(rows, *caches, single_group=True)
+    assert inputs.decode_tokens.shape[0] == 0 and inputs.prefill_tokens.shape == (4, 5)
+    ours, theirs = small.run(None, inputs.feeds(held)), full.run(None, inputs.feeds(held))
     assert (ours[0] == theirs[0]).all() and np.abs(ours[4] - theirs[4]).max() < 1e-5
     assert np.abs(ours[5] - theirs[5]).max() < 1e-5
-    two_groups = full.run(None, pack(rows, *caches))
+    two_groups = full.run(None, pack(rows, *caches)[0].feeds(held))
     assert (two_groups[0] == ours[0]).all() and np.abs(two_groups[4] - ours[4]).max() < 1e-4
 
 
@@ -220,17 +220,18 @@ def test_a_plain_greedy_step_skips_the_sampling_head_and_picks_what_the_whole_he
     logprobs_only = {"sample_rows": np.array([0]), "temperature": np.zeros(1, np.float32),
                      "top_k": np.zeros(1, np.int64), "top_p": np.ones(1, np.float32),
                      "uniform": np.ones(1, np.float32), "min_p": np.zeros(1, np.float32)}
-    cases = [pack(plain, *caches), {**pack(plain, *caches), **neutral}, pack(banned, *caches),
-             {**pack(plain, *caches), **allow_all}, {**pack(plain, *caches), **logprobs_only}]
-    for i, feeds in enumerate(cases):
-        ours = session.run(None, feeds)
+    inputs, held = pack(plain, *caches)
+    cases = [inputs, inputs.replace(**neutral), pack(banned, *caches)[0], inputs.replace(**allow_all),
+             inputs.replace(**logprobs_only)]
+    for i, case in enumerate(cases):
+        ours = session.run(None, case.feeds(held))
         with torch.no_grad():
-            theirs = [t.numpy() for t in traced(*(torch.from_numpy(feeds[name]) for name in artifacts.INPUT_NAMES))]
+            theirs = [t.numpy() for t in traced(*torch_arguments(case, held))]
         assert (ours[0] == theirs[0]).all()
-        assert ours[2].shape == theirs[2].shape == (len(feeds["sample_rows"]), theirs[2].shape[1]), i
+        assert ours[2].shape == theirs[2].shape == (len(case.sampling.sample_rows), theirs[2].shape[1]), i
         assert (ours[2] == theirs[2]).all() and np.allclose(ours[3], theirs[3], atol=1e-4)
         assert np.abs(ours[4] - theirs[4]).max() < 1e-4
-    assert cases[0]["sample_rows"].size == 0 and ours[2].shape[0] == 1  # both sides of the branch were taken
+    assert cases[0].sampling.sample_rows.size == 0 and ours[2].shape[0] == 1  # both sides of the branch were taken
 
 
 def test_the_exported_files_hold_each_weight_once(exported_tiny, tiny_checkpoint):
@@ -307,8 +308,8 @@ def test_the_export_verifies_one_runtime_at_a_time(tiny_checkpoint):
             most.append(len(alive))
             self.run = _eager(step)
 
-        def __call__(self, **feeds):
-            return self.run(**feeds)
+        def __call__(self, inputs, held):
+            return self.run(inputs, held)
 
         def __del__(self) -> None:
             alive.pop()
@@ -319,3 +320,12 @@ def test_the_export_verifies_one_runtime_at_a_time(tiny_checkpoint):
     assert max(most) == 1 and not alive
     assert set(cases[0].max_diff) == {"a", "b", "c"} and all(set(ok) == {"a", "b", "c"} for ok in greedy.values())
     assert max(c.max_diff["c"] for c in cases) < 1e-4
+
+
+def test_serve_model_refuses_a_directory_that_is_not_an_export(tiny_checkpoint):
+    result = subprocess.run([*BATCHSTRING, "serve", "--model", str(tiny_checkpoint)], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode != 0
+    said = " ".join(result.stderr.split())
+    assert "is not an export (it lacks runtime.json, model.onnx or model.pt)" in said, said
+    assert "batchstring export --model CHECKPOINT --out" in said

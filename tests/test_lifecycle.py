@@ -10,46 +10,30 @@ import asyncio
 import os
 import re
 import signal
-import subprocess
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import psutil
 import pytest
 
 from batchstring.client import AsyncBatchClient, BatchClient
-from batchstring.server.local import LocalServer, free_ports
+from batchstring.server.local import LocalServer
 from batchstring.server.stats import metrics
 from tests.conftest import (
-    BATCHSTRING,
     GONE_BOUND,
     STOP_BOUND,
     alive,
     assert_kill_leaves_nothing,
     gone_within,
     kinds,
+    serve,
     start_server,
+    stop,
     temporary_files,
 )
 
 MAX_TOKENS = 64
-
-
-def serve(tmp_path: Path, *options: str) -> tuple[subprocess.Popen, list[int], str]:
-    """`batchstring serve` on free ports, once it says it is ready: (process, ports, its banner)."""
-    ports = free_ports()
-    proc = subprocess.Popen([*BATCHSTRING, "serve", "--config", "cpu", "--log", str(tmp_path / "serve.log"),
-                             *(f"--{name}-port={port}" for name, port in zip(("http", "grpc", "metrics"), ports)),
-                             *options], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return proc, ports, proc.stdout.readline()
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
 
 
 def test_idle_sigterm_stops_serve_within_3_seconds_and_leaves_nothing(model_dir, tmp_path):

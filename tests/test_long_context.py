@@ -20,13 +20,13 @@ import pytest
 import torch
 
 from batchstring.engine.batch import SPLIT_STEP_COSTS, Work, split_cost, split_step
-from batchstring.engine.block_table import BlockTable, one_span_per_row, pair_carrier, pair_count, span_blocks
+from batchstring.engine.block_table import BlockTable, pair_carrier, pair_count, single_span_blocks, span_blocks
 from batchstring.engine.config import INPUT_BYTES_PER_TOKEN, EngineConfig
 from batchstring.engine.errors import InvalidRequest
 from batchstring.engine.runner import DeviceTable
 from batchstring.engine.sampling import SamplingParams
 from batchstring.engine.sequence import Sequence
-from batchstring.export.layout import INPUT_NAMES
+from batchstring.export.exporter import torch_arguments
 from tests.conftest import BATCHSTRING, start_server
 from tests.engine_helpers import engine
 
@@ -132,8 +132,8 @@ def test_spans_follow_the_rows_one_per_row_when_even_and_many_for_a_long_row_amo
     assert pair_count(np.array([0, 0, 33]), 1, 16) == 1 + 1 + 3, "a row without a past keeps one masked pair"
     carrier = pair_carrier(mixed, span, 16)
     assert carrier.shape == (pair_count(mixed, span, 16), span, 0) and carrier.nbytes == 0
-    assert one_span_per_row(np.array([100, 90, 120]), 16) == 8
-    assert one_span_per_row(np.array([16, 16, 16, 15000]), 16) is None, "one long row: pairs, not padding"
+    assert single_span_blocks(np.array([100, 90, 120]), 16) == 8
+    assert single_span_blocks(np.array([16, 16, 16, 15000]), 16) is None, "one long row: pairs, not padding"
 
 
 def test_a_step_splits_in_two_calls_only_when_padding_would_cost_more_than_a_call():
@@ -315,8 +315,8 @@ def test_a_decode_step_padded_to_its_bucket_computes_what_the_step_itself_does(l
     padded = pad_decode(batch, block_size, scratch)
     assert padded is not None and padded.rows == len(pasts) and padded.key[0] > len(pasts)
     assert padded.key[1] == 1 << (-(-max(pasts) // block_size) - 1).bit_length()
-    theirs = eng.runner._run(batch.feeds, batch.table)
-    ours = eng.runner._run(padded.feeds, batch.table)
+    theirs = eng.runner._run(batch.inputs, batch.table)
+    ours = eng.runner._run(padded.inputs, batch.table)
     n, m = padded.rows, padded.sampled
     assert (as_numpy(ours[0])[:n] == as_numpy(theirs[0])).all()
     assert np.allclose(as_numpy(ours[1])[:m], as_numpy(theirs[1]), atol=1e-5)
@@ -361,8 +361,8 @@ def test_a_16_bit_step_over_one_long_span_stays_finite(long_checkpoint):
     blocks, size = 256, 16
     keys = np.zeros((2, 2, blocks, size, 16), np.float16)
     values = np.full_like(keys, 100.0)
-    feeds = pack([Row([5], list(range(blocks)), blocks * size)], keys, values, spans=(blocks, blocks))
-    assert feeds["decode_pairs"].shape[:2] == (1, blocks), "one pair spans the whole past"
+    inputs, held = pack([Row([5], list(range(blocks)), blocks * size)], keys, values, spans=(blocks, blocks))
+    assert inputs.decode_pairs.shape[:2] == (1, blocks), "one pair spans the whole past"
     with torch.no_grad():
-        outputs = step(*(torch.from_numpy(feeds[name]) for name in INPUT_NAMES))
+        outputs = step(*torch_arguments(inputs, held))
     assert torch.isfinite(outputs[4]).all() and torch.isfinite(outputs[5]).all()

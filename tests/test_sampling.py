@@ -11,7 +11,8 @@ import torch
 
 from batchstring.engine.errors import InvalidRequest
 from batchstring.engine.sampling import SamplingParams, parse_sampling_parameters
-from batchstring.export.sampler import SamplingHead, neutral_inputs
+from batchstring.export.contract import SamplingInputs
+from batchstring.export.sampler import SamplingHead
 from batchstring.export.verify import NEAR_TIE, Sampling, reference_sample
 
 
@@ -95,15 +96,15 @@ def head_run(logits: np.ndarray, rows: list[Sampling]) -> np.ndarray:
     head = SamplingHead(logits.shape[1], [EOS_ID])
     chosen = [i for i, r in enumerate(rows) if r.temperature > 0 or r.top_k or r.top_p < 1]
     picked = [rows[i] for i in chosen]
+    sampling = SamplingInputs.plain(
+        ban_rows=np.array([i for i, r in enumerate(rows) if r.ban_eos], np.int64),
+        sample_rows=np.array(chosen, np.int64),
+        temperature=np.array([r.temperature for r in picked], np.float32),
+        top_k=np.array([r.top_k for r in picked], np.int64),
+        top_p=np.array([r.top_p for r in picked], np.float32),
+        uniform=np.array([r.uniform for r in picked], np.float32))
     with torch.no_grad():
-        tokens, *_ = head(torch.from_numpy(logits), torch.tensor([i for i, r in enumerate(rows) if r.ban_eos],
-                                                                 dtype=torch.long),
-                          torch.tensor(chosen, dtype=torch.long),
-                          torch.tensor([r.temperature for r in picked], dtype=torch.float32),
-                          torch.tensor([r.top_k for r in picked], dtype=torch.long),
-                          torch.tensor([r.top_p for r in picked], dtype=torch.float32),
-                          torch.tensor([r.uniform for r in picked], dtype=torch.float32),
-                          *(torch.from_numpy(a) for a in neutral_inputs(len(picked)).values()))
+        tokens, *_ = head(torch.from_numpy(logits), *(torch.from_numpy(a) for a in vars(sampling).values()))
     return tokens.numpy()
 
 

@@ -27,8 +27,9 @@ import pytest
 from batchstring.client import AsyncBatchClient, InvalidArgument
 from batchstring.engine.errors import InvalidRequest
 from batchstring.engine.grammar import only_tokens
-from batchstring.engine.runner import FETCHED, OnnxRunner, RuntimeSpec
+from batchstring.engine.runner import OnnxRunner, RuntimeSpec
 from batchstring.engine.sampling import SamplingParams, parse_sampling_parameters
+from batchstring.export.contract import FETCHED, Held, SamplingInputs
 from batchstring.server.stats import metrics
 from tests.conftest import metric_reaches
 from tests.engine_helpers import Collector, engine
@@ -72,17 +73,17 @@ class LogitsRunner(OnnxRunner):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.steps: list[tuple[dict, list[tuple[SamplingParams, list[int], list[int]]], np.ndarray, np.ndarray]] = []
+        Rows = list[tuple[SamplingParams, list[int], list[int]]]
+        self.steps: list[tuple[SamplingInputs, Rows, np.ndarray, np.ndarray]] = []
 
     def step(self, batch):
         self._rows = [(s.params, list(s.prompt_ids), list(s.output_ids)) for s in batch.sampled]
-        self._feeds = batch.feeds
+        self._sampling = batch.inputs.sampling
         return super().step(batch)
 
-    def _run(self, feeds, table):
-        out = self.session.run([*FETCHED, "logits"], {**feeds, "block_table": table.array, "key_cache": self.keys,
-                                                      "value_cache": self.values})
-        self.steps.append((self._feeds, self._rows, out[-1], out[0]))
+    def _run(self, inputs, table):
+        out = self.session.run([*FETCHED, "logits"], inputs.feeds(Held(table.array, self.keys, self.values)))
+        self.steps.append((self._sampling, self._rows, out[-1], out[0]))
         return out[:-1]
 
 
@@ -129,8 +130,8 @@ def recorded(model_dir):
 def test_greedy_rows_pick_the_argmax_of_the_reference_adjusted_and_masked_logits(recorded):
     spec, steps = recorded
     checked = 0
-    for feeds, rows, logits, tokens in steps:
-        masked = dict(zip(feeds["mask_rows"].tolist(), feeds["token_mask"]))
+    for sampling, rows, logits, tokens in steps:
+        masked = dict(zip(sampling.mask_rows.tolist(), sampling.token_mask))
         for r, (p, prompt, output) in enumerate(rows):
             if not p.greedy:
                 continue
@@ -170,8 +171,8 @@ def test_min_p_samples_only_tokens_at_least_min_p_times_as_likely_as_the_best(re
 def test_sampled_constrained_rows_only_pick_allowed_tokens(recorded):
     spec, steps = recorded
     seen = 0
-    for feeds, rows, _, tokens in steps:
-        for r, words in zip(feeds["mask_rows"].tolist(), feeds["token_mask"]):
+    for sampling, rows, _, tokens in steps:
+        for r, words in zip(sampling.mask_rows.tolist(), sampling.token_mask):
             assert unpack(words, spec.vocab_size)[tokens[r]]
             seen += int(not rows[r][0].greedy)
     assert seen >= 3
@@ -186,7 +187,8 @@ def test_rows_without_a_grammar_or_adjustment_add_nothing_to_the_step(model_dir)
 
     eng.scheduler.schedule()
     batch = build_step([Work(s, 1) for s in seqs], eng.scheduler.blocks)
-    assert all(batch.feeds[k].size == 0 for k in ("mask_rows", "token_mask", "adjust_rows", "sample_rows"))
+    s = batch.inputs.sampling
+    assert all(a.size == 0 for a in (s.mask_rows, s.token_mask, s.adjust_rows, s.sample_rows))
 
 
 def test_a_grammar_that_admits_no_further_token_ends_its_request_with_an_error(model_dir):

@@ -14,6 +14,9 @@ from batchstring.client import cli as client_cli
 COMMANDS = {
     "export": ("batchstring.export.cli", "add_export_arguments", "run_export",
                "export a HF decoder checkpoint (see the README's families) to the model repository, verified"),
+    "quantize": ("batchstring.export.cli", "add_quantize_arguments", "run_quantize",
+                 "an export's weights to int8 or int4 (ONNX MatMulNBits), measured against it: perplexity, "
+                 "logits, greedy tokens"),
     "perplexity": ("batchstring.export.cli", "add_perplexity_arguments", "run_perplexity",
                    "an export's perplexity on a text file (what a quantization costs, on your own data)"),
     "train": ("batchstring.export.cli", "add_train_arguments", "run_train",

@@ -7,9 +7,11 @@ what a step did to them; it owns `block_manager`, the paged KV cache's blocks an
 `policy` (continuous or static batching), `isolation` (running a step so that only a request that
 fails alone fails), `batch` (the step's inputs, built as arrays), `block_table` (the block table
 and how a step's attention walks it), `buckets` (decode steps of static shapes for CUDA graphs),
-`runner` (the exported step on ONNX Runtime or TorchScript), `sequence` (a request's tokens and
-cache state), `output` (its text, stop strings and responses), `sampling` (its parameters),
-`memory` (the cache's size), `faults` (test-only fault injection around the runner), `tokenizer`,
-`stats`, `config`, `errors`.
+`runner` (the exported step on ONNX Runtime or TorchScript, fed the typed inputs of
+export/contract.py), `speculation` (drafts proposed and verified), `grammar` (structured output's
+masks and forced runs), `sequence` (a request's tokens and cache state), `output` (its text, stop
+strings and responses), `sampling` (its parameters), `memory` (the cache's size), `cores` (the
+CPUs this process may use), `faults` (test-only fault injection), `tokenizer`, `stats`, `config`,
+`errors`.
 `model_repository/llm/1/model.py` adapts the serving shell to Triton.
 """

@@ -1,8 +1,9 @@
 """Test-only fault injection: a prompt that contains the configured marker breaks something.
 
 Off unless the `fault_marker` parameter is set (never in production); then the runner is wrapped,
-and nothing else in the engine knows about faults. What breaks depends on what follows the marker
-in the prompt:
+and the two places that break outside a step ask `fault_kind` too: the engine loop
+(engine/serving.py) and the responder's first send (model_repository/llm/1/model.py). What breaks
+depends on what follows the marker in the prompt:
 
     <marker>          its step runs out of memory (an isolated, input-dependent failure)
     <marker>:device   from then on every step fails, as after a sticky CUDA error

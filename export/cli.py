@@ -15,36 +15,94 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", choices=("int8", "int4"),
                    help="weight-only quantization of the ONNX step (MatMulNBits, blocks of 32 along K, symmetric); "
                         "activations stay in --dtype; measured against the unquantized graph")
+    add_quantization_arguments(p, "with --quantize: ")
+
+
+def add_quantization_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
     p.add_argument("--accuracy-level", type=int, choices=(0, 4), default=0,
-                   help="with --quantize: 4 lets ONNX Runtime's CPU kernel take int8 activations (faster at one "
-                        "row; the export measures what it costs); 0: the kernel's default")
-    p.add_argument("--quantize-head", action="store_true", help="with --quantize: the LM head too")
+                   help=f"{prefix}4 lets ONNX Runtime's CPU kernel take int8 activations (faster at one row; the "
+                        "cost is measured); 0: the kernel's default")
+    p.add_argument("--quantize-head", action="store_true", help=f"{prefix}the LM head too")
+    p.add_argument("--heldout", type=Path, metavar="FILE",
+                   help=f"{prefix}UTF-8 text the quantization's perplexity is measured on, at least 256 tokens "
+                        "(default: Python source shipped with batchstring, export/heldout/python.txt)")
     p.add_argument("--max-perplexity-rise", type=float, metavar="PERCENT",
-                   help="with --quantize: the largest perplexity rise on the held-out text an export accepts "
+                   help=f"{prefix}the largest perplexity rise on the held-out text an export accepts "
                         "(default: 1 for int8, 3 for int4)")
     p.add_argument("--force", action="store_true",
-                   help="with --quantize: keep a quantization whose perplexity rises past its bound")
+                   help=f"{prefix}keep a quantization whose perplexity rises past its bound")
 
 
 def run_export(args: argparse.Namespace) -> int:
     from batchstring.export.exporter import export_model
     from batchstring.export.layout import MODEL_VERSION_DIR
-    from batchstring.export.quantize import Quantization
+    from batchstring.export.quantize import Quantization, QuantizationRefused
     from batchstring.export.step import UnsupportedModel
     from batchstring.export.verify import VerificationError
 
     if not args.quantize and (args.accuracy_level or args.quantize_head or args.force
-                              or args.max_perplexity_rise is not None):
-        raise SystemExit("--accuracy-level, --quantize-head, --max-perplexity-rise and --force go with --quantize")
+                              or args.max_perplexity_rise is not None or args.heldout):
+        raise SystemExit("--accuracy-level, --quantize-head, --max-perplexity-rise, --heldout and --force go with "
+                         "--quantize")
     quantization = args.quantize and Quantization(args.quantize, accuracy_level=args.accuracy_level,
                                                   head=args.quantize_head)
     try:
         export_model(args.model, args.out or MODEL_VERSION_DIR, dtype=args.dtype, quantization=quantization or None,
-                     force=args.force, max_rise=args.max_perplexity_rise)
-    except (UnsupportedModel, VerificationError) as exc:
+                     force=args.force, max_rise=args.max_perplexity_rise, heldout=args.heldout)
+    except (UnsupportedModel, VerificationError, QuantizationRefused, ValueError, OSError) as exc:
         print(f"batchstring export: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def add_quantize_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("scheme", choices=("int8", "int4"), help="weight-only: MatMulNBits, blocks of 32, symmetric")
+    p.add_argument("--model", type=Path, required=True, help="an unquantized export directory")
+    p.add_argument("--out", type=Path, required=True, help="where the quantized export goes (not --model)")
+    add_quantization_arguments(p)
+
+
+def run_quantize(args: argparse.Namespace) -> int:
+    import shutil
+    import tempfile
+
+    from batchstring.export.exporter import install
+    from batchstring.export.layout import HELDOUT_TEXT
+    from batchstring.export.quantize import MAX_PERPLEXITY_RISE, Quantization, QuantizationRefused, quantize_export
+
+    source, out = args.model.resolve(), args.out.resolve()
+    if out == source:
+        raise SystemExit("--out must not be --model: the quantization is measured against the export it is made from")
+    quantization = Quantization(args.scheme, accuracy_level=args.accuracy_level, head=args.quantize_head)
+    bound = MAX_PERPLEXITY_RISE[args.scheme] if args.max_perplexity_rise is None else args.max_perplexity_rise
+    try:
+        check_unquantized_export(source)
+        text = (args.heldout or HELDOUT_TEXT).read_text(encoding="utf-8")
+        with tempfile.TemporaryDirectory(prefix="batchstring-quantize-") as tmp:
+            scratch = Path(tmp)
+            for produced in source.iterdir():
+                if produced.is_file() and produced.name != "model.pt":
+                    shutil.copyfile(produced, scratch / produced.name)
+            measured = quantize_export(scratch, quantization, text, bound, args.force)
+            install(scratch, out)
+    except (QuantizationRefused, ValueError, OSError) as exc:
+        print(f"batchstring quantize: {exc}", file=sys.stderr)
+        return 1
+    print(f"{quantization.describe()}: {measured.describe()}\nquantized {source} -> {out}")
+    return 0
+
+
+def check_unquantized_export(directory: Path) -> None:
+    """Refuses, saying why, a directory that is not an unquantized ONNX export."""
+    import json
+
+    if not (directory / "runtime.json").is_file() or not (directory / "model.onnx").is_file():
+        raise ValueError(f"{directory} is not an ONNX export (no runtime.json and model.onnx); make one with "
+                         "`batchstring export --model CHECKPOINT --out DIR`")
+    done = json.loads((directory / "runtime.json").read_text()).get("quantization")
+    if done:
+        raise ValueError(f"{directory} is already quantized ({done['scheme']}); quantize the unquantized export "
+                         "it was made from")
 
 
 def add_perplexity_arguments(p: argparse.ArgumentParser) -> None:

@@ -215,3 +215,19 @@ def _check() -> None:
 
 
 _check()
+
+
+def markdown() -> str:
+    """The contract as the tables export/README.md shows (a test keeps the two the same)."""
+    lines = []
+    for title, tensors in (("input", INPUTS), ("output", OUTPUTS)):
+        lines += [f"| {title} | type | shape | meaning |", "|---|---|---|---|"]
+        for t in tensors:
+            shape = ", ".join(str(d) for d in t.dims)
+            lines.append(f"| `{t.name}` | {t.dtype} | [{shape}] | {t.meaning} |")
+        lines.append("")
+    return "\n".join(lines[:-1])
+
+
+if __name__ == "__main__":
+    print(markdown())

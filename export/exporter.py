@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import shutil
 import tempfile
 import time
@@ -24,8 +23,7 @@ from batchstring.export import artifacts
 from batchstring.export.contract import CACHES, Held, StepInputs
 from batchstring.export.family import features
 from batchstring.export.layout import DEFAULT_MODEL_DIR, HELDOUT_TEXT, MODEL_VERSION_DIR, SMALL_STEP_GRAPH
-from batchstring.export.perplexity import DEFAULT_TOKENS, perplexity
-from batchstring.export.quantize import MAX_PERPLEXITY_RISE, Quantization, quantize_graph
+from batchstring.export.quantize import MAX_PERPLEXITY_RISE, Quantization, quantize_export
 from batchstring.export.step import DecoderStep, check_supported
 from batchstring.export.verify import (
     HF_16BIT,
@@ -251,12 +249,12 @@ def peak_rss_gib() -> float:
 def export_model(
     source: Path | None = None, out_dir: Path = MODEL_VERSION_DIR, console: Console | None = None,
     dtype: str | None = None, quantization: Quantization | None = None, force: bool = False,
-    max_rise: float | None = None,
+    max_rise: float | None = None, heldout: Path | None = None,
 ) -> ExportResult:
     """Exports, verifies in a scratch directory, and only then replaces the served files. With
     `quantization`, the verified ONNX graphs are then quantized and measured (`_quantize`); `force`
-    keeps a quantization whose perplexity rises past `max_rise` percent (None: the scheme's
-    MAX_PERPLEXITY_RISE)."""
+    keeps a quantization whose perplexity on `heldout` (None: HELDOUT_TEXT) rises past `max_rise`
+    percent (None: the scheme's MAX_PERPLEXITY_RISE)."""
     from rich.console import Console
 
     console = console or Console()
@@ -293,13 +291,11 @@ def export_model(
         if quantization:
             with stages.stage(f"quantize the ONNX graphs to {quantization.scheme} and measure them"):
                 bound = MAX_PERPLEXITY_RISE[quantization.scheme] if max_rise is None else max_rise
-                _quantize(step, hf_model, codec, eos, scratch, dtype, quantization, bound, force, console)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for optional in ("model.onnx.data", SMALL_STEP_GRAPH, f"{SMALL_STEP_GRAPH}.data", "model.pt"):  # earlier
-            if not (scratch / optional).exists():
-                (out_dir / optional).unlink(missing_ok=True)
-        for produced in scratch.iterdir():  # includes ONNX external data, when there is any
-            shutil.move(produced, out_dir / produced.name)
+                text = (heldout or HELDOUT_TEXT).read_text(encoding="utf-8")
+                measured = quantize_export(scratch, quantization, text, bound, force)
+            console.print(f"{quantization.describe()}: {measured.describe()}; no TorchScript step (it would hold "
+                          "the unquantized weights)")
+        install(scratch, out_dir)
     seconds = time.monotonic() - started
     scheme = f", {quantization.scheme} weights" if quantization else ""
     console.print(f"[green]exported and verified[/] {source.name} ({dtype}{scheme}) -> {out_dir} in {seconds:.1f} s, "
@@ -307,44 +303,15 @@ def export_model(
     return ExportResult(out_dir, seconds, max_diff)
 
 
-def _quantize(step: DecoderStep, hf_model, codec: TextCodec, eos: list[int], scratch: Path, dtype: str,
-              quantization: Quantization, bound: float, force: bool, console: Console) -> None:
-    """Quantizes the verified ONNX graphs in `scratch` and measures what it cost: perplexity on the
-    held-out text against the unquantized graph (refused past `bound` percent unless `force`),
-    logits against HF's forward, greedy tokens against HF `generate`. The TorchScript step is not
-    written: it would serve the unquantized weights."""
-    graphs = [scratch / "model.onnx", *([scratch / SMALL_STEP_GRAPH] if (scratch / SMALL_STEP_GRAPH).exists() else [])]
-    before = sum(_graph_bytes(g) for g in graphs)
-    heldout = codec.encode(HELDOUT_TEXT.read_text())
-    kv_shape = (len(step.layers), step.num_kv_heads, step.head_dim)
-    full = perplexity(onnx_step(graphs[0], dtype), heldout, kv_shape, limit=DEFAULT_TOKENS)
-    counts = [quantize_graph(graph, quantization, step.lm_head.out_features) for graph in graphs]
-    (scratch / "model.pt").unlink()
-    quantized = onnx_step(graphs[0], dtype)
-    low = perplexity(quantized, heldout, kv_shape, limit=DEFAULT_TOKENS)
-    rise = 100 * (low.value / full.value - 1)
-    worst = max(c.max_diff["quantized"] for c in verify_logits(hf_model, {"quantized": quantized}, eos,
-                                                                relative=dtype != "float32"))
-    greedy = verify_greedy(hf_model, codec.encode, eos, {"quantized": quantized}, vocabulary=codec.known_ids())
-    same = sum(ok["quantized"] for ok in greedy.values())
-    spec = json.loads((scratch / "runtime.json").read_text())
-    spec["quantization"] = quantization.record()
-    artifacts.write_runtime_spec(spec, scratch / "runtime.json")
-    after = sum(_graph_bytes(g) for g in graphs)
-    console.print(f"{quantization.describe()}: {counts[0]} matrix multiplies quantized; ONNX graphs "
-                  f"{before / 2**20:.1f} -> {after / 2**20:.1f} MiB ({after / before:.2f}x); perplexity on "
-                  f"{low.tokens} held-out tokens {full.value:.3f} -> {low.value:.3f} ({rise:+.2f}%); logits within "
-                  f"{worst:.2e} of HF; greedy identical to HF for {same}/{len(greedy)} prompts (up to the first "
-                  "near-tie); no TorchScript step (it would hold the unquantized weights)")
-    if rise > bound and not force:
-        raise VerificationError(
-            f"{quantization.scheme} raises perplexity on the held-out text by {rise:.2f}%, past the "
-            f"{bound:g}% an export accepts: keep more precision (--quantize int8, or an unquantized export), or "
-            "pass --force to keep it; nothing was written to the model repository")
-
-
-def _graph_bytes(graph: Path) -> int:
-    return sum(f.stat().st_size for f in (graph, graph.with_name(f"{graph.name}.data")) if f.exists())
+def install(scratch: Path, out_dir: Path) -> None:
+    """Moves a verified export from `scratch` into `out_dir`, removing what an earlier export left
+    there that this one does not have."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for optional in ("model.onnx.data", SMALL_STEP_GRAPH, f"{SMALL_STEP_GRAPH}.data", "model.pt"):
+        if not (scratch / optional).exists():
+            (out_dir / optional).unlink(missing_ok=True)
+    for produced in scratch.iterdir():  # includes ONNX external data, when there is any
+        shutil.move(produced, out_dir / produced.name)
 
 
 def decoder_step(hf_model, source: Path) -> tuple[DecoderStep, list[int]]:

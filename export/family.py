@@ -30,7 +30,6 @@ class Family:
     # How a mixture's experts are stored: "stacked" [E, 2f, d] gate then up (Qwen3-MoE, Mixtral);
     # "interleaved" [E, d, 2f] gate and up alternating, with biases and a clamped GLU (gpt-oss)
     experts: str = "stacked"
-    verified: str = "logits, new K/V and greedy tokens against HF, in tests (tests/test_families.py)"
 
 
 FAMILIES: dict[str, Family] = {

@@ -41,14 +41,10 @@ def perplexity(run: StepFn, ids: list[int], kv_shape: tuple[int, int, int], dtyp
                context: int = DEFAULT_CONTEXT, limit: int | None = None, block_size: int = 16,
                progress: Callable[[Iterator], Iterator] = iter) -> Perplexity:
     """exp(mean negative log-likelihood) of the second half of every window (module docstring)."""
-    layers, heads, head_dim = kv_shape
-    blocks = -(-context // block_size)
-    cache = np.zeros((layers, heads, blocks, block_size, head_dim), dtype)
     nll, scored = 0.0, 0
     chunks = windows(ids, context, limit)
     for window in progress(chunks):
-        inputs, held = pack([Row(window, list(range(blocks)), 0)], cache, cache.copy())
-        logits = run(inputs.replace(logit_tokens=np.arange(context - 1)), held)[4].astype(np.float64)
+        logits = window_logits(run, window, kv_shape, dtype, block_size).astype(np.float64)
         first = context // 2 - 1  # position whose logits predict the first scored token
         rows = logits[first:]
         targets = np.asarray(window[first + 1 :])
@@ -57,6 +53,16 @@ def perplexity(run: StepFn, ids: list[int], kv_shape: tuple[int, int, int], dtyp
         nll += float((log_z - rows[np.arange(len(targets)), targets]).sum())
         scored += len(targets)
     return Perplexity(float(np.exp(nll / scored)), scored, len(chunks))
+
+
+def window_logits(run: StepFn, window: list[int], kv_shape: tuple[int, int, int], dtype: np.dtype = np.float32,
+                  block_size: int = 16) -> np.ndarray:
+    """The logits after every position of `window` but its last, as one prefill row from an empty cache."""
+    layers, heads, head_dim = kv_shape
+    blocks = -(-len(window) // block_size)
+    cache = np.zeros((layers, heads, blocks, block_size, head_dim), dtype)
+    inputs, held = pack([Row(window, list(range(blocks)), 0)], cache, cache.copy())
+    return run(inputs.replace(logit_tokens=np.arange(len(window) - 1)), held)[4]
 
 
 def measure_export(model_dir: Path, text: str, runtime: str = "onnxruntime", context: int = DEFAULT_CONTEXT,

@@ -10,16 +10,22 @@ quantize the activations to int8 as well (faster at one row, sometimes a flipped
 export measures it). The LM head stays in the export's dtype unless asked (`head`): it is where
 the tokens are chosen, and a tied head is the embedding, which is not a MatMul weight.
 
-Quality is measured, not assumed: the export compares the quantized graph's perplexity on a
-held-out text with the unquantized graph's (export/perplexity.py) and refuses a rise past
-`MAX_PERPLEXITY_RISE` unless forced.
+Quality is measured, not assumed, against the unquantized graph the quantization was made from
+(itself verified against the checkpoint when it was exported): perplexity on a held-out text
+(export/perplexity.py; a rise past `MAX_PERPLEXITY_RISE` is refused unless forced), the logits of
+every position of its first window, and greedy tokens up to the unquantized graph's first
+near-tie. `batchstring export --quantize` quantizes the export it has just verified;
+`batchstring quantize` an export made before, without tracing the checkpoint again.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from batchstring.export.perplexity import DEFAULT_CONTEXT, Perplexity
 
 SCHEMES = {"int8": 8, "int4": 4}
 BLOCK_SIZE = 32
@@ -86,3 +92,88 @@ def quantize_graph(path: Path, quantization: Quantization, vocab_rows: int) -> i
     onnx.save_model(quantized, str(path), save_as_external_data=large, all_tensors_to_one_file=True,
                     location=f"{path.name}.data")
     return sum(1 for node in quantized.graph.node if node.op_type == "MatMulNBits")
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What a quantization cost, against the graph it was made from."""
+
+    before: Perplexity
+    after: Perplexity
+    logits_error: float  # max |Δlogits| over the first window's positions
+    greedy_same: int  # prompts whose greedy tokens agree up to the first near-tie
+    prompts: int
+    bytes_before: int
+    bytes_after: int
+    quantized: int  # MatMuls now MatMulNBits (in model.onnx)
+
+    @property
+    def rise(self) -> float:
+        """Perplexity rise, percent."""
+        return 100 * (self.after.value / self.before.value - 1)
+
+    def describe(self) -> str:
+        return (f"{self.quantized} matrix multiplies quantized; ONNX graphs {self.bytes_before / 2**20:.1f} -> "
+                f"{self.bytes_after / 2**20:.1f} MiB ({self.bytes_after / self.bytes_before:.2f}x); perplexity on "
+                f"{self.after.tokens} held-out tokens {self.before.value:.3f} -> {self.after.value:.3f} "
+                f"({self.rise:+.2f}%); logits within {self.logits_error:.2e} of the unquantized graph; greedy "
+                f"identical to it for {self.greedy_same}/{self.prompts} prompts (up to its first near-tie)")
+
+
+def quantize_export(directory: Path, quantization: Quantization, text: str, bound: float,
+                    force: bool = False) -> Measured:
+    """Quantizes the unquantized export in `directory` in place and measures it against itself
+    before (module docstring); raises QuantizationRefused past `bound` percent unless `force`,
+    leaving the directory for the caller to discard. The TorchScript step is removed: it would
+    serve the unquantized weights."""
+    import numpy as np
+
+    from batchstring.engine.runner import RuntimeSpec
+    from batchstring.engine.tokenizer import TextCodec
+    from batchstring.export.exporter import onnx_step
+    from batchstring.export.layout import SMALL_STEP_GRAPH
+    from batchstring.export.perplexity import DEFAULT_TOKENS, perplexity, window_logits, windows
+    from batchstring.export.verify import GREEDY_PROMPTS, GREEDY_TOKENS, greedy_with_step, step_greedy_reference
+
+    spec = RuntimeSpec.load(directory / "runtime.json")
+    codec = TextCodec.from_file(directory / "tokenizer.json")
+    kv_shape = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
+    graphs = [directory / name for name in ("model.onnx", SMALL_STEP_GRAPH) if (directory / name).exists()]
+    ids = codec.encode(text)
+    first = windows(ids, DEFAULT_CONTEXT)[0]
+    eos = list(spec.eos_token_ids)
+
+    def measure(run):
+        greedy = [step_greedy_reference(run, codec.encode(p), GREEDY_TOKENS, kv_shape, eos, np.float32)
+                  for p in GREEDY_PROMPTS]
+        return perplexity(run, ids, kv_shape, limit=DEFAULT_TOKENS), window_logits(run, first, kv_shape), greedy
+
+    before, reference_logits, references = measure(onnx_step(graphs[0], spec.dtype))
+    bytes_before = sum(graph_bytes(g) for g in graphs)
+    raw = json.loads((directory / "runtime.json").read_text())
+    counts = [quantize_graph(g, quantization, raw.get("checkpoint_vocab_size", spec.vocab_size)) for g in graphs]
+    (directory / "model.pt").unlink(missing_ok=True)
+    quantized = onnx_step(graphs[0], spec.dtype)
+    after = perplexity(quantized, ids, kv_shape, limit=DEFAULT_TOKENS)
+    same = sum(ref.agrees(greedy_with_step(quantized, ref.prompt_ids, len(ref.tokens), kv_shape, eos, np.float32))
+               for ref in references)
+    error = float(np.abs(window_logits(quantized, first, kv_shape) - reference_logits).max())
+    measured = Measured(before, after, error, same, len(references), bytes_before,
+                        sum(graph_bytes(g) for g in graphs), counts[0])
+    raw["quantization"] = {**quantization.record(), "perplexity_rise_percent": round(measured.rise, 4)}
+    (directory / "runtime.json").write_text(json.dumps(raw, indent=2) + "\n")
+    if measured.rise > bound and not force:
+        raise QuantizationRefused(
+            f"{quantization.scheme} raises perplexity on the held-out text by {measured.rise:.2f}%, past the "
+            f"{bound:g}% an export accepts ({measured.describe()}): keep more precision (--quantize int8, or an "
+            "unquantized export), or pass --force to keep it; nothing was written to the model repository")
+    return measured
+
+
+class QuantizationRefused(RuntimeError):
+    """A quantization costs more quality than its bound allows."""
+
+
+def graph_bytes(graph: Path) -> int:
+    """A graph's size on disk, with its external data."""
+    return sum(f.stat().st_size for f in (graph, graph.with_name(f"{graph.name}.data")) if f.exists())

@@ -12,7 +12,7 @@ error of a boundary between two tokens may go either way: a near-tie, counted ap
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -325,6 +325,30 @@ def greedy_with_step(run: StepFn, prompt_ids: list[int], new_tokens: int, kv_sha
     """Plain greedy loop over the step: one prefill row, then one decode row per token, with the
     EOS ids banned (as HF's `min_new_tokens` does) so that both run full length; the row's blocks
     are scattered over the cache in reverse order."""
+    return [token for token, _ in _greedy_loop(run, prompt_ids, new_tokens, kv_shape, eos_ids, dtype, block_size)]
+
+
+def step_greedy_reference(run: StepFn, prompt_ids: list[int], new_tokens: int, kv_shape: tuple[int, ...],
+                          eos_ids: list[int], dtype: np.dtype, tie: float = 2 * TOLERANCE["float32"],
+                          block_size: int = CASE_BLOCK_SIZE) -> GreedyReference:
+    """A step's own greedy tokens as the judge of another step (a quantized graph against the one
+    it was made from), with the first near-tie of its logits, as `greedy_references` has HF's."""
+    tokens, first_tie, runner_up = [], None, None
+    for k, (token, logits) in enumerate(_greedy_loop(run, prompt_ids, new_tokens, kv_shape, eos_ids, dtype,
+                                                     block_size)):
+        tokens.append(token)
+        if first_tie is None:
+            allowed = logits.astype(np.float64)
+            allowed[[i for i in eos_ids if i < len(allowed)]] = -np.inf
+            second, best = np.argsort(allowed)[-2:]
+            if allowed[best] - allowed[second] < tie:
+                first_tie, runner_up = k, int(second if best == token else best)
+    return GreedyReference(list(prompt_ids), tokens, first_tie, runner_up)
+
+
+def _greedy_loop(run: StepFn, prompt_ids: list[int], new_tokens: int, kv_shape: tuple[int, ...],
+                 eos_ids: list[int], dtype: np.dtype, block_size: int) -> Iterator[tuple[int, np.ndarray]]:
+    """Each greedy token (EOS banned) with the logits it was chosen from."""
     layers, heads, head_dim = kv_shape
     num_blocks = -(-(len(prompt_ids) + new_tokens) // block_size)
     blocks = list(range(num_blocks - 1, -1, -1))
@@ -335,12 +359,12 @@ def greedy_with_step(run: StepFn, prompt_ids: list[int], new_tokens: int, kv_sha
     for _ in range(new_tokens):
         n_past = len(prompt_ids) + len(out) - len(feed)
         row = Row(feed, blocks, n_past, Sampling(ban_eos=True))
-        next_tokens, *_, k, v = run(*pack([row], key_cache, value_cache, isinstance(run, SingleGroup)))
+        next_tokens, _, _, _, logits, k, v = run(*pack([row], key_cache, value_cache, isinstance(run, SingleGroup)))
         place(key_cache, blocks, n_past, k)
         place(value_cache, blocks, n_past, v)
         out.append(int(next_tokens[0]))
+        yield out[-1], logits[0]
         feed = [out[-1]]
-    return out
 
 
 @dataclass

@@ -39,6 +39,8 @@ from batchstring.export.layout import MODEL_VERSION_DIR
 from batchstring.loadtest.bench import Point, Sample, closed_loop, machine, summarize
 from batchstring.loadtest.workload import Item, mixed
 from batchstring.server.local import LocalServer, free_ports
+from batchstring.server.repository import repository_for
+from batchstring.server.triton import DEFAULT_REPOSITORY
 
 CALLERS = (1, 16, 64)
 SYSTEMS = ("batchstring", "batchstring-ngram", "llama.cpp", "llama.cpp-ngram", "hf-generate")
@@ -172,10 +174,12 @@ class HFGenerateSystem:
 def build(names: list[str], args: argparse.Namespace, out_dir: Path) -> dict:
     systems: dict = {}
     if any(n.startswith("batchstring") for n in names):
-        server = LocalServer(config="cpu", params=dict(p.split("=", 1) for p in args.param)).start()
+        repository = repository_for(args.model, out_dir / "repository") if args.model else DEFAULT_REPOSITORY
+        server = LocalServer(config="cpu", repository=repository,
+                             params=dict(p.split("=", 1) for p in args.param)).start()
         systems["batchstring"] = Ours(server, speculative=False)
         systems["batchstring-ngram"] = Ours(server, speculative=True)
-    codec = TextCodec.from_file(MODEL_VERSION_DIR / "tokenizer.json")
+    codec = TextCodec.from_file((args.model or MODEL_VERSION_DIR) / "tokenizer.json")
     context = args.prompt_tokens[1] + args.max_tokens + 16
     for name, extra in (("llama.cpp", []), ("llama.cpp-ngram", args.llama_spec_args.split())):
         if name in names:
@@ -258,7 +262,8 @@ def markdown(points: list[Point]) -> str:
 
 
 def command(args: argparse.Namespace) -> str:
-    parts = ["batchstring peer-bench", f"--prompts {args.prompts}", f"--repeats {args.repeats}",
+    parts = ["batchstring peer-bench", *(["--model EXPORT"] if args.model else []), f"--prompts {args.prompts}",
+             f"--repeats {args.repeats}",
              f"--max-tokens {args.max_tokens}",
              "--callers " + " ".join(map(str, args.callers))]
     if args.systems:
@@ -268,6 +273,8 @@ def command(args: argparse.Namespace) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, help="our export to serve (default: the repository's), e.g. a quantized "
+                                               "one (`batchstring quantize`) beside a GGUF of as many bits")
     p.add_argument("--llama-server", type=Path, help="a llama-server binary built from llama.cpp's source")
     p.add_argument("--gguf", type=Path, help="the shipped model converted to GGUF (f32), for llama-server")
     p.add_argument("--llama-spec-args", default=LLAMA_SPEC_ARGS,

@@ -329,3 +329,30 @@ def test_serve_model_refuses_a_directory_that_is_not_an_export(tiny_checkpoint):
     said = " ".join(result.stderr.split())
     assert "is not an export (it lacks runtime.json, model.onnx or model.pt)" in said, said
     assert "batchstring export --model CHECKPOINT --out" in said
+
+
+def test_the_contract_is_the_exported_graphs_and_the_docs(exported_tiny):
+    """export/contract.py names every input and output of both ONNX graphs, in order, with their
+    dtypes and dynamic axes; export/README.md shows its tables as `markdown()` renders them."""
+    import onnx
+
+    from batchstring.export.contract import INPUTS, MODEL_DTYPE, OUTPUTS, STATIC_DIMS, markdown
+    from batchstring.export.layout import REPO_ROOT
+
+    out, _ = exported_tiny
+    types = {"int64": onnx.TensorProto.INT64, "int32": onnx.TensorProto.INT32, "bool": onnx.TensorProto.BOOL,
+             "float32": onnx.TensorProto.FLOAT, MODEL_DTYPE: onnx.TensorProto.FLOAT}
+    for graph in ("model.onnx", "model.small.onnx"):
+        model = onnx.load(str(out / graph), load_external_data=False).graph
+        for declared, actual in ((INPUTS, model.input), (OUTPUTS, model.output)):
+            assert [t.name for t in declared] == [v.name for v in actual], graph
+            for tensor, value in zip(declared, actual):
+                assert value.type.tensor_type.elem_type == types[tensor.dtype], tensor.name
+                dims = value.type.tensor_type.shape.dim
+                assert len(dims) == len(tensor.dims), tensor.name
+                for dim, name in zip(dims, tensor.dims):  # a dynamic name stays a name; a number a number
+                    if isinstance(name, int):
+                        assert dim.dim_value == name, tensor.name
+                    elif name not in STATIC_DIMS and declared is INPUTS:
+                        assert dim.dim_param, (tensor.name, name)
+    assert markdown() in (REPO_ROOT / "export" / "README.md").read_text()

@@ -191,6 +191,41 @@ def test_a_familys_greedy_tokens_through_a_real_server_equal_hf_generate(request
         assert done.choices[0].text == codec.decode(expected), (model_type, prompt)
 
 
+def test_a_familys_export_quantizes_and_the_engine_decodes_what_its_step_does(family_export, tmp_path):
+    """`batchstring quantize int4` on each family's ONNX export (q/k norms, experts, fused
+    projections, LayerNorm with biases): MatMulNBits in the graph, measured against the export, and
+    the engine's greedy tokens are the quantized step's own. An export with the TorchScript step
+    only is refused, saying what to make instead."""
+    import json
+
+    import numpy as np
+    import onnx
+
+    from batchstring.engine.sampling import SamplingParams
+    from batchstring.export.exporter import onnx_step
+    from batchstring.export.verify import greedy_with_step
+    from tests.engine_helpers import engine
+
+    model_type, _, exported, _ = family_export
+    out = tmp_path / "int4"
+    result = subprocess.run([*BATCHSTRING, "quantize", "int4", "--model", str(exported), "--out", str(out),
+                             "--force"], capture_output=True, text=True, timeout=300)
+    if model_type in SERVED_BY_TORCHSCRIPT:
+        assert result.returncode == 1 and "is not an ONNX export" in result.stderr, result.stderr
+        return
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "matrix multiplies quantized" in result.stdout and "greedy identical to it for" in result.stdout
+    assert "MatMulNBits" in {n.op_type for n in onnx.load(str(out / "model.onnx")).graph.node}
+    spec = json.loads((out / "runtime.json").read_text())
+    eng = engine(out)
+    seq = eng.make_sequence("def parse(text):", SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+                              lambda o: None)
+    eng.generate([seq])
+    kv_shape = (spec["num_layers"], spec["num_kv_heads"], spec["head_dim"])
+    assert seq.output_ids == greedy_with_step(onnx_step(out / "model.onnx", "float32"), seq.prompt_ids, 10, kv_shape,
+                                              [], np.float32), model_type
+
+
 def test_blocks_outside_every_window_are_given_up_and_the_tokens_stay_hfs(family_export):
     """Where every layer has a window (StarCoder2 here), a long generation holds only the blocks
     the window reaches; what it gives up is not read again: its tokens are still HF's."""

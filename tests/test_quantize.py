@@ -1,10 +1,11 @@
-"""Weight-only quantized exports (`batchstring export --quantize`): written, measured, refused past
-their bound, and served; the perplexity command; and the greedy reference on the step's vocabulary.
+"""Weight-only quantized exports: `batchstring export --quantize`, `batchstring quantize` on an
+export, their measurements and refusals, serving one, the perplexity command; and the greedy
+reference judged on the step's vocabulary.
 
-Tiny random checkpoints of three families: a dense Llama whose embedding is padded past its
-tokenizer (the greedy reference must choose among the tokenizer's ids, as the step does), Qwen3
-(q/k norms) and Mixtral (experts); and a tiny Llama trained until it fits its text, on which any
-perturbation of the weights raises perplexity, so a strict bound is crossed.
+The quantizations are measured on a tiny Llama trained until it knows a 512-token text by heart:
+near a minimum of that text's loss any change of the weights raises its perplexity there, so a
+strict bound is crossed for certain. Families with q/k norms and experts are quantized in
+tests/test_families.py, from the exports those tests make anyway.
 """
 
 from __future__ import annotations
@@ -21,9 +22,8 @@ from batchstring.export.synthetic import random_checkpoint, tiny_family_config
 from tests.conftest import BATCHSTRING, serve, stop
 
 
-def export(checkpoint: Path, out: Path, *options: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*BATCHSTRING, "export", "--model", str(checkpoint), "--out", str(out), *options],
-                          capture_output=True, text=True, timeout=600)
+def batchstring(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([*BATCHSTRING, *args], capture_output=True, text=True, timeout=timeout)
 
 
 def said(result: subprocess.CompletedProcess) -> str:
@@ -37,153 +37,160 @@ def op_types(graph: Path) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def padded_int8(tmp_path_factory):
-    """A dense checkpoint with 4096 embedding rows and a 512-token tokenizer, exported in int8."""
-    config = tiny_family_config("llama")
-    config.vocab_size = 4096
-    root = tmp_path_factory.mktemp("padded-int8")
-    checkpoint = random_checkpoint(root / "checkpoint", config, seed=3, tokenizer_vocab=512)
-    result = export(checkpoint, root / "out", "--quantize", "int8")
+def learnt(tmp_path_factory, model_dir) -> tuple[Path, Path, Path]:
+    """(checkpoint, its text, its unquantized export)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from batchstring.engine.tokenizer import TextCodec
+    from batchstring.export.layout import HELDOUT_TEXT
+
+    root = tmp_path_factory.mktemp("learnt")
+    codec = TextCodec.from_file(model_dir / "tokenizer.json")
+    (root / "text.txt").write_text(codec.decode(codec.encode(HELDOUT_TEXT.read_text())[:540]))
+    ids = codec.encode((root / "text.txt").read_text())[:512]  # as the export reads it back
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         eos_token_id=0, bos_token_id=0)
+    model = LlamaForCausalLM(config)
+    batch = torch.tensor(ids).reshape(2, 256)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(150):
+        loss = model(input_ids=batch, labels=batch).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert loss.item() < 0.5, f"not learnt by heart: loss {loss.item():.2f}"
+    model.save_pretrained(root / "checkpoint")
+    PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json")).save_pretrained(root / "checkpoint")
+    result = batchstring("export", "--model", str(root / "checkpoint"), "--out", str(root / "export"))
     assert result.returncode == 0, result.stdout + result.stderr
-    return checkpoint, root / "out", said(result)
+    return root / "checkpoint", root / "text.txt", root / "export"
 
 
-def test_a_padded_vocabulary_verifies_greedy_against_hf_on_the_tokenizers_ids(padded_int8):
-    """HF `generate` over 4096 logits would pick padding rows the step never samples; judged on the
-    step's 512 ids, every runtime's greedy tokens are HF's."""
-    _, _, stdout = padded_int8
-    for runtime in ("eager step", "torchscript", "onnxruntime", "onnxruntime, small steps"):
-        assert f"{runtime}: greedy identical for 3/3 prompts" in stdout, stdout
-
-
-def test_an_int8_export_holds_quantized_graphs_and_says_what_it_cost(padded_int8):
-    _, out, stdout = padded_int8
-    spec = json.loads((out / "runtime.json").read_text())
-    assert spec["quantization"]["bits"] == 8 and spec["quantization"]["block_size"] == 32
-    assert spec["quantization"]["symmetric"] and not spec["quantization"]["head"]
+def test_a_quantization_past_its_perplexity_bound_is_refused_and_forced_it_is_kept(learnt, tmp_path):
+    _, text, export = learnt
+    out = tmp_path / "int4"
+    strict = ("quantize", "int4", "--model", str(export), "--out", str(out), "--heldout", str(text),
+              "--max-perplexity-rise", "0.01")
+    refused = batchstring(*strict)
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    words = said(refused)
+    assert "int4 raises perplexity on the held-out text by" in words and "past the 0.01% an export accepts" in words
+    assert "--quantize int8" in words and "--force" in words and "nothing was written" in words
+    assert not out.exists()
+    forced = batchstring(*strict, "--force")
+    assert forced.returncode == 0, forced.stdout + forced.stderr
+    record = json.loads((out / "runtime.json").read_text())["quantization"]
+    assert (record["bits"], record["block_size"], record["symmetric"], record["head"]) == (4, 32, True, False)
+    assert record["perplexity_rise_percent"] > 0.01
     for graph in ("model.onnx", "model.small.onnx"):
         assert "MatMulNBits" in op_types(out / graph), graph
     assert not (out / "model.pt").exists(), "a TorchScript step would hold the unquantized weights"
-    assert "int8 (blocks of 32, symmetric, head in the export's dtype): 8 matrix multiplies quantized" in stdout
-    assert "perplexity on" in stdout and "held-out tokens" in stdout and "greedy identical to HF for" in stdout
-    assert "(float32, int8 weights)" in stdout
+    assert (export / "model.pt").exists() and "MatMulNBits" not in op_types(export / "model.onnx"), "source kept"
+    assert "int4 (blocks of 32, symmetric, head in the export's dtype): 8 matrix multiplies quantized" in said(forced)
 
 
-def test_serve_model_serves_a_quantized_export_as_its_step_decodes(padded_int8, tmp_path):
-    """`batchstring serve --model DIR` on the int8 export: a real server's greedy text is the
+def test_quantize_refuses_what_it_cannot_quantize(learnt, tmp_path):
+    checkpoint, _, export = learnt
+    same = batchstring("quantize", "int8", "--model", str(export), "--out", str(export))
+    assert same.returncode != 0 and "--out must not be --model" in said(same)
+    not_export = batchstring("quantize", "int8", "--model", str(checkpoint), "--out", str(tmp_path / "a"))
+    assert not_export.returncode == 1 and "is not an ONNX export" in said(not_export)
+    assert "batchstring export --model CHECKPOINT --out DIR" in said(not_export)
+    twice = tmp_path / "b"
+    assert batchstring("quantize", "int8", "--model", str(export), "--out", str(twice)).returncode == 0
+    again = batchstring("quantize", "int4", "--model", str(twice), "--out", str(tmp_path / "c"))
+    assert again.returncode == 1 and "is already quantized (int8)" in said(again)
+
+
+def test_serve_model_serves_a_quantized_export_as_its_step_decodes(learnt, tmp_path):
+    """`batchstring serve --model DIR` on an int8 export: a real server's greedy text is the
     quantized graph's own greedy loop's."""
     from batchstring.client import BatchClient
     from batchstring.engine.tokenizer import TextCodec
     from batchstring.export.exporter import onnx_step
     from batchstring.export.verify import greedy_with_step
 
-    _, out, _ = padded_int8
+    _, text, export = learnt
+    out = tmp_path / "int8"
+    assert batchstring("quantize", "int8", "--model", str(export), "--out", str(out)).returncode == 0
+    codec = TextCodec.from_file(out / "tokenizer.json")
+    ids = codec.encode(text.read_text())
+    prompts = [codec.decode(ids[:40]), codec.decode(ids[300:330])]
     proc, ports, banner = serve(tmp_path, "--model", str(out))
-    prompts = ["def parse(text):", "import os\n"]
     try:
         assert "llm ready" in banner, banner + proc.stdout.read()
         with BatchClient(f"127.0.0.1:{ports[1]}") as client:
-            texts = client.batchstring(prompts, max_tokens=10, ignore_eos=True, temperature=0)
+            texts = client.batchstring(prompts, max_tokens=12, ignore_eos=True, temperature=0)
     finally:
         stop(proc)
-    codec = TextCodec.from_file(out / "tokenizer.json")
     spec = json.loads((out / "runtime.json").read_text())
     step = onnx_step(out / "model.onnx", "float32")
-    for prompt, text in zip(prompts, texts):
-        tokens = greedy_with_step(step, codec.encode(prompt), 10, (spec["num_layers"], spec["num_kv_heads"],
-                                                                    spec["head_dim"]), [], np.float32)
-        assert text == codec.decode(tokens), prompt
+    kv_shape = (spec["num_layers"], spec["num_kv_heads"], spec["head_dim"])
+    for prompt, served in zip(prompts, texts):
+        assert served == codec.decode(greedy_with_step(step, codec.encode(prompt), 12, kv_shape, [], np.float32))
 
 
-@pytest.mark.parametrize(("model_type", "scheme"), [("qwen3", "int4"), ("mixtral", "int8")])
-def test_families_with_qk_norms_and_experts_export_quantized_and_decode_in_the_engine(model_type, scheme, tmp_path):
-    from batchstring.engine.sampling import SamplingParams
-    from tests.engine_helpers import engine
-
-    checkpoint = random_checkpoint(tmp_path / "checkpoint", tiny_family_config(model_type), seed=4)
-    result = export(checkpoint, tmp_path / "out", "--quantize", scheme)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert f"{scheme} (blocks of 32" in said(result)
-    assert "MatMulNBits" in op_types(tmp_path / "out" / "model.onnx")
-    eng = engine(tmp_path / "out")
-    seqs = [eng.make_sequence(p, SamplingParams(max_tokens=8, ignore_eos=True), lambda out: None)
-            for p in ("def f(x):", "class A:", "import sys")]
-    eng.generate(seqs)
-    assert all(len(s.output_ids) == 8 for s in seqs)
-
-
-@pytest.fixture(scope="module")
-def overfit(tmp_path_factory, model_dir):
-    """A tiny Llama trained on the held-out text's first windows until it fits them: at a minimum
-    of that text's loss, perturbing the weights raises its perplexity."""
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    from batchstring.engine.tokenizer import TextCodec
-    from batchstring.export.layout import HELDOUT_TEXT
-
-    path = tmp_path_factory.mktemp("overfit")
-    ids = TextCodec.from_file(model_dir / "tokenizer.json").encode(HELDOUT_TEXT.read_text())[:2048]
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         eos_token_id=0, bos_token_id=0)
-    model = LlamaForCausalLM(config)
-    batch = torch.tensor(ids).reshape(8, 256)
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for _ in range(120):
-        loss = model(input_ids=batch, labels=batch).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    model.save_pretrained(path)
-    PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json")).save_pretrained(path)
-    return path
-
-
-def test_a_quantization_past_its_perplexity_bound_is_refused_and_says_what_to_do(overfit, tmp_path):
-    out = tmp_path / "out"
-    result = export(overfit, out, "--quantize", "int4", "--max-perplexity-rise", "0.01")
-    assert result.returncode == 1, result.stdout + result.stderr
-    text = said(result)
-    assert "int4 raises perplexity on the held-out text by" in text and "past the 0.01% an export accepts" in text
-    assert "--quantize int8" in text and "--force" in text and "nothing was written" in text
-    assert not out.exists() or not any(out.iterdir())
-    forced = export(overfit, out, "--quantize", "int4", "--max-perplexity-rise", "0.01", "--force")
-    assert forced.returncode == 0, forced.stdout + forced.stderr
-    assert json.loads((out / "runtime.json").read_text())["quantization"]["bits"] == 4
-
-
-def test_perplexity_is_the_same_through_either_runtime_and_rises_with_int4(overfit, tmp_path):
-    """`batchstring perplexity` on an export: ONNX Runtime and TorchScript agree; the int4 export of
-    the fitted model scores its text worse."""
-    text = tmp_path / "text.txt"
-    from batchstring.export.layout import HELDOUT_TEXT
-
-    text.write_text(HELDOUT_TEXT.read_text()[:12000])
-    full, low = tmp_path / "full", tmp_path / "low"
-    assert export(overfit, full).returncode == 0
-    assert export(overfit, low, "--quantize", "int4", "--force").returncode == 0
+def test_perplexity_is_the_same_through_either_runtime_and_rises_with_int4(learnt, tmp_path):
+    _, text, export = learnt
+    low = tmp_path / "int4"
+    assert batchstring("quantize", "int4", "--model", str(export), "--out", str(low), "--force").returncode == 0
 
     def measured(model: Path, runtime: str) -> float:
-        result = subprocess.run([*BATCHSTRING, "perplexity", "--model", str(model), "--text", str(text),
-                                 "--runtime", runtime, "--context", "128"], capture_output=True, text=True,
-                                timeout=300)
+        result = batchstring("perplexity", "--model", str(model), "--text", str(text), "--runtime", runtime,
+                             "--context", "128")
         assert result.returncode == 0, result.stdout + result.stderr
         assert "windows of 128, second halves scored" in result.stdout
         return float(result.stdout.split()[1])
 
-    onnx, torchscript = measured(full, "onnxruntime"), measured(full, "torchscript")
+    onnx, torchscript = measured(export, "onnxruntime"), measured(export, "torchscript")
     assert abs(onnx / torchscript - 1) < 1e-4
     assert measured(low, "onnxruntime") > onnx
-
-
-def test_perplexity_refuses_what_it_cannot_measure(padded_int8, tmp_path):
-    _, out, _ = padded_int8
     short = tmp_path / "short.txt"
     short.write_text("x = 1\n")
-    result = subprocess.run([*BATCHSTRING, "perplexity", "--model", str(out), "--text", str(short)],
-                            capture_output=True, text=True, timeout=120)
+    result = batchstring("perplexity", "--model", str(export), "--text", str(short))
     assert result.returncode == 1 and "perplexity needs at least one window of 256" in said(result)
-    result = subprocess.run([*BATCHSTRING, "perplexity", "--model", str(out), "--runtime", "torchscript"],
-                            capture_output=True, text=True, timeout=120)
+    result = batchstring("perplexity", "--model", str(low), "--runtime", "torchscript")
     assert result.returncode == 1 and "has no model.pt; measure it with the other --runtime" in said(result)
+
+
+def test_export_quantize_exports_verifies_and_quantizes_a_qk_norm_family_with_a_padded_vocabulary(tmp_path):
+    """Qwen3 (q/k norms) with 4096 embedding rows and a 512-token tokenizer, `export --quantize int4`:
+    the unquantized runtimes verify against HF judged on the tokenizer's ids, then the graphs are
+    quantized and measured against them."""
+    config = tiny_family_config("qwen3")
+    config.vocab_size = 4096
+    checkpoint = random_checkpoint(tmp_path / "checkpoint", config, seed=3, tokenizer_vocab=512)
+    result = batchstring("export", "--model", str(checkpoint), "--out", str(tmp_path / "out"), "--quantize", "int4")
+    assert result.returncode == 0, result.stdout + result.stderr
+    words = said(result)
+    for runtime in ("eager step", "torchscript", "onnxruntime", "onnxruntime, small steps"):
+        assert f"{runtime}: greedy identical for 3/3 prompts" in words, runtime
+    assert "int4 (blocks of 32, symmetric, head in the export's dtype):" in words and "(float32, int4 weights)" in words
+    spec = json.loads((tmp_path / "out" / "runtime.json").read_text())
+    assert spec["quantization"]["bits"] == 4 and spec["vocab_size"] == 512
+    assert "MatMulNBits" in op_types(tmp_path / "out" / "model.onnx")
+
+
+def test_the_greedy_reference_chooses_among_the_ids_the_step_samples(tmp_path):
+    """A random checkpoint whose 4096-row head is padded past a 512-token tokenizer: HF `generate`
+    picks padding ids the step never samples, unless judged on the step's vocabulary."""
+    from transformers import AutoModelForCausalLM
+
+    from batchstring.engine.tokenizer import TextCodec
+    from batchstring.export.exporter import _eager, decoder_step
+    from batchstring.export.verify import greedy_references, verify_greedy
+
+    config = tiny_family_config("llama")
+    config.vocab_size = 4096
+    checkpoint = random_checkpoint(tmp_path / "checkpoint", config, seed=3, tokenizer_vocab=512)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
+    step, eos = decoder_step(model, checkpoint)
+    codec = TextCodec.from_file(checkpoint / "tokenizer.json")
+    vocabulary = codec.known_ids()
+    assert vocabulary[0] == step.vocab_size == 512
+    plain = greedy_references(model, codec.encode, eos)
+    assert any(max(ref.tokens) >= 512 for ref in plain.values()), "HF chose padding ids"
+    judged = verify_greedy(model, codec.encode, eos, {"eager step": _eager(step)}, vocabulary=vocabulary)
+    assert all(ok["eager step"] for ok in judged.values())

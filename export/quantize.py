@@ -5,10 +5,12 @@ serves them quantized. ONNX Runtime has the kernel on its CPU and CUDA providers
 `com.microsoft.MatMulNBits`, a matrix multiply whose weight is stored in blocks of `block_size`
 values along K, each with its own scale (symmetric: no zero point). Its own quantizer
 (`MatMulNBitsQuantizer`, round-to-nearest, no calibration data) rewrites every MatMul whose weight
-is a constant; activations stay in the export's dtype. `accuracy_level` 4 lets the CPU kernel
-quantize the activations to int8 as well (faster at one row, sometimes a flipped near-tie: the
-export measures it). The LM head stays in the export's dtype unless asked (`head`): it is where
-the tokens are chosen, and a tied head is the embedding, which is not a MatMul weight.
+is a constant; the graph's activations stay in the export's dtype. `accuracy_level` 4 (the
+default) lets the CPU kernel multiply int8 activations, quantized per block as it goes, by the
+weights: without it ONNX Runtime 1.32's CPU kernel is slower than the float MatMul it replaces
+(int8 by far: docs/quantization.md), and the quality it costs is measured with the rest (CUDA's
+kernel ignores it). The LM head stays in the export's dtype unless asked (`head`): it is where the
+tokens are chosen, and a tied head is the embedding, which is not a MatMul weight.
 
 Quality is measured, not assumed, against the unquantized graph the quantization was made from
 (itself verified against the checkpoint when it was exported): perplexity on a held-out text
@@ -41,7 +43,7 @@ class Quantization:
     scheme: str
     block_size: int = BLOCK_SIZE
     symmetric: bool = True
-    accuracy_level: int = 0  # 0: the kernel's default (activations in the export's dtype); 4: int8
+    accuracy_level: int = 4  # 4: int8 activations inside the CPU kernel; 0: the export's dtype (slow on the CPU)
     head: bool = False  # the LM head quantized too
 
     @property
@@ -127,6 +129,7 @@ def quantize_export(directory: Path, quantization: Quantization, text: str, boun
     leaving the directory for the caller to discard. The TorchScript step is removed: it would
     serve the unquantized weights."""
     import numpy as np
+    from tqdm import tqdm
 
     from batchstring.engine.runner import RuntimeSpec
     from batchstring.engine.tokenizer import TextCodec
@@ -143,10 +146,14 @@ def quantize_export(directory: Path, quantization: Quantization, text: str, boun
     first = windows(ids, DEFAULT_CONTEXT)[0]
     eos = list(spec.eos_token_ids)
 
+    def progress(what: str):
+        return lambda chunks: tqdm(chunks, desc=f"perplexity, {what}", unit="window", leave=False)
+
     def measure(run):
         greedy = [step_greedy_reference(run, codec.encode(p), GREEDY_TOKENS, kv_shape, eos, np.float32)
                   for p in GREEDY_PROMPTS]
-        return perplexity(run, ids, kv_shape, limit=DEFAULT_TOKENS), window_logits(run, first, kv_shape), greedy
+        score = perplexity(run, ids, kv_shape, limit=DEFAULT_TOKENS, progress=progress("unquantized"))
+        return score, window_logits(run, first, kv_shape), greedy
 
     before, reference_logits, references = measure(onnx_step(graphs[0], spec.dtype))
     bytes_before = sum(graph_bytes(g) for g in graphs)
@@ -154,7 +161,7 @@ def quantize_export(directory: Path, quantization: Quantization, text: str, boun
     counts = [quantize_graph(g, quantization, raw.get("checkpoint_vocab_size", spec.vocab_size)) for g in graphs]
     (directory / "model.pt").unlink(missing_ok=True)
     quantized = onnx_step(graphs[0], spec.dtype)
-    after = perplexity(quantized, ids, kv_shape, limit=DEFAULT_TOKENS)
+    after = perplexity(quantized, ids, kv_shape, limit=DEFAULT_TOKENS, progress=progress(quantization.scheme))
     same = sum(ref.agrees(greedy_with_step(quantized, ref.prompt_ids, len(ref.tokens), kv_shape, eos, np.float32))
                for ref in references)
     error = float(np.abs(window_logits(quantized, first, kv_shape) - reference_logits).max())

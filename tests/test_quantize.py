@@ -83,12 +83,14 @@ def test_a_quantization_past_its_perplexity_bound_is_refused_and_forced_it_is_ke
     assert forced.returncode == 0, forced.stdout + forced.stderr
     record = json.loads((out / "runtime.json").read_text())["quantization"]
     assert (record["bits"], record["block_size"], record["symmetric"], record["head"]) == (4, 32, True, False)
+    assert record["accuracy_level"] == 4
     assert record["perplexity_rise_percent"] > 0.01
     for graph in ("model.onnx", "model.small.onnx"):
         assert "MatMulNBits" in op_types(out / graph), graph
     assert not (out / "model.pt").exists(), "a TorchScript step would hold the unquantized weights"
     assert (export / "model.pt").exists() and "MatMulNBits" not in op_types(export / "model.onnx"), "source kept"
-    assert "int4 (blocks of 32, symmetric, head in the export's dtype): 8 matrix multiplies quantized" in said(forced)
+    described = "int4 (blocks of 32, symmetric, accuracy_level 4, head in the export's dtype)"
+    assert f"{described}: 8 matrix multiplies quantized" in said(forced)
 
 
 def test_quantize_refuses_what_it_cannot_quantize(learnt, tmp_path):
@@ -167,7 +169,8 @@ def test_export_quantize_exports_verifies_and_quantizes_a_qk_norm_family_with_a_
     words = said(result)
     for runtime in ("eager step", "torchscript", "onnxruntime", "onnxruntime, small steps"):
         assert f"{runtime}: greedy identical for 3/3 prompts" in words, runtime
-    assert "int4 (blocks of 32, symmetric, head in the export's dtype):" in words and "(float32, int4 weights)" in words
+    assert "int4 (blocks of 32, symmetric, accuracy_level 4, head in the export's dtype):" in words
+    assert "(float32, int4 weights)" in words
     spec = json.loads((tmp_path / "out" / "runtime.json").read_text())
     assert spec["quantization"]["bits"] == 4 and spec["vocab_size"] == 512
     assert "MatMulNBits" in op_types(tmp_path / "out" / "model.onnx")

@@ -6,4 +6,8 @@ to 2 GB. So tritonserver listens on loopback only, and this process owns the pub
 every request is bounded before Triton sees it, only the inference and health routes are
 forwarded (no admin API is reachable from outside), and a model that stays unready makes the
 process exit so that Docker and Kubernetes restart the container.
+
+Three jobs, a folder each: `gateway/` (the ports, limits, auth, health, proxying; `python -m
+batchstring.frontdoor` runs it), `openai_api/` (the `/v1` routes) and `batch_api/` (the Batch API:
+store, files, runner, routes).
 """

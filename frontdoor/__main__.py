@@ -1,3 +1,3 @@
-from batchstring.frontdoor.main import main
+from batchstring.frontdoor.gateway.main import main
 
 main()

@@ -27,7 +27,7 @@ from rich.table import Table
 from batchstring.client import AsyncBatchClient, Completion
 from batchstring.client.batches import ENDED, BatchApi
 from batchstring.client.jobs import run_job
-from batchstring.frontdoor.batch_share import DEFAULT_SHARE
+from batchstring.frontdoor.batch_api.share import DEFAULT_SHARE
 from batchstring.server.local import LocalServer
 
 INTERACTIVE = [f"# request {i}\ndef summarize(records):\n    " for i in range(16)]

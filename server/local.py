@@ -40,7 +40,7 @@ from batchstring.server.triton import (
 )
 
 STUB_NAME = "triton_python_backend_stub"
-DRAIN_SECONDS = 5.0  # the front door's default (frontdoor/main.py)
+DRAIN_SECONDS = 5.0  # the front door's default (frontdoor/gateway/main.py)
 STOP_SECONDS = 3.0  # what a drained front door needs to close and exit
 PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None, use_errno=True)

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from batchstring.export.layout import STEP_FILES
-from batchstring.frontdoor.batch_store import default_data_dir
+from batchstring.frontdoor.batch_api.store import default_data_dir
 from batchstring.server.local import DRAIN_SECONDS, LocalServer, ServerError
 from batchstring.server.repository import parameters, repository_for
 from batchstring.server.supervisor import Supervisor

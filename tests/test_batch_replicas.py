@@ -23,8 +23,8 @@ import psycopg
 import pytest
 
 from batchstring.client import BatchClient
-from batchstring.frontdoor.auth import ENV
-from batchstring.frontdoor.batch_store import open_store
+from batchstring.frontdoor.batch_api.store import open_store
+from batchstring.frontdoor.gateway.auth import ENV
 from batchstring.loadtest.balancer import RoundRobin
 from batchstring.loadtest.postgres import PostgresServer
 from tests.conftest import start_server
@@ -155,7 +155,7 @@ def test_two_stores_on_one_database_lease_each_chunk_to_one_and_end_a_batch_once
 
 
 def test_a_store_url_with_a_password_stays_off_the_command_line(monkeypatch):
-    from batchstring.frontdoor.batch_store import STORE_ENV, store_url
+    from batchstring.frontdoor.batch_api.store import STORE_ENV, store_url
 
     with pytest.raises(SystemExit, match=f"carries a password.*{STORE_ENV}"):
         store_url("postgresql://batchstring:hunter2@db:5432/batchstring")

@@ -26,9 +26,9 @@ from batchstring.client.defaults import API_KEY_ENV
 from batchstring.engine.block_manager import BlockManager
 from batchstring.engine.sampling import SamplingParams
 from batchstring.engine.sequence import Sequence
-from batchstring.frontdoor.auth import ENV
-from batchstring.frontdoor.batch_share import Admission
-from batchstring.frontdoor.batch_store import open_store
+from batchstring.frontdoor.batch_api.share import Admission
+from batchstring.frontdoor.batch_api.store import open_store
+from batchstring.frontdoor.gateway.auth import ENV
 from tests.conftest import BATCHSTRING, metric_reaches, start_server
 
 KEY_A, KEY_B = "sk-batch-a-0123456789", "sk-batch-b-0123456789"

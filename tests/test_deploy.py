@@ -372,7 +372,7 @@ def test_the_image_installs_every_package_the_serving_code_imports():
     installed = set(re.findall(r"([A-Za-z0-9_.\-]+(?:\[[a-z,]+\])?)==", serving.replace('"', "")))
     modules = set()
     for folder in ("engine", "frontdoor", "client", "model_repository/llm/1"):
-        for source in (DOCKER.parent / folder).glob("*.py"):
+        for source in (DOCKER.parent / folder).rglob("*.py"):
             for node in ast.walk(ast.parse(source.read_text())):
                 if isinstance(node, ast.Import):
                     modules |= {a.name.split(".")[0] for a in node.names}
@@ -422,7 +422,7 @@ def test_the_image_copies_every_module_the_serving_code_imports():
         module = root.joinpath(*parts)
         return module / "__init__.py" if module.is_dir() else module.with_suffix(".py")
 
-    pending = [*root.glob("engine/*.py"), *root.glob("frontdoor/*.py"), *root.glob("client/*.py"),
+    pending = [*root.glob("engine/*.py"), *root.glob("frontdoor/**/*.py"), *root.glob("client/*.py"),
                *(root / "model_repository" / "llm" / "1").glob("*.py")]
     seen, missing = set(), []
     while pending:

@@ -163,7 +163,7 @@ def test_the_split_cost_is_the_devices_unless_configured(tmp_path):
 
 
 def test_the_front_door_takes_what_a_long_context_model_takes(tmp_path):
-    from batchstring.frontdoor.limits import Limits
+    from batchstring.frontdoor.gateway.limits import Limits
 
     (tmp_path / "runtime.json").write_text(json.dumps({"context_length": 131072}))
     limits = Limits.for_model(tmp_path)

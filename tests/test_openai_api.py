@@ -16,7 +16,7 @@ import urllib.request
 import openai
 import pytest
 
-from batchstring.frontdoor.auth import ENV
+from batchstring.frontdoor.gateway.auth import ENV
 from batchstring.server.local import free_ports
 from tests.conftest import FRONTDOOR
 

@@ -2,7 +2,7 @@
 
 Every replica sharing a store runs one `BatchRunner`, and none of them owns a batch: a batch is
 cut into chunks of requests at validation, and each runner claims chunks under a lease
-(frontdoor/batch_store.py), renews its leases while it works and runs its chunks' lines on its own
+(frontdoor/batch_api/store.py), renews its leases while it works and runs its chunks' lines on its own
 engine, so one batch's lines fan out over every replica's engine, and the database is the only
 thing the replicas share. A replica that dies stops renewing: its chunks' leases lapse and the
 others take them over, skipping what is recorded. Whichever runner sees that a batch's work has
@@ -33,10 +33,10 @@ from dataclasses import dataclass
 from batchstring.client import AsyncBatchClient, Completion
 from batchstring.client.jobs import Item, Malformed, envelope, output_line
 from batchstring.client.protocol import BATCH
-from batchstring.frontdoor.batch_share import Admission
-from batchstring.frontdoor.batch_store import BatchStore, Chunk
-from batchstring.frontdoor.openai_api import ApiError, OpenAIRoutes
-from batchstring.frontdoor.tenants import cache_salt
+from batchstring.frontdoor.batch_api.share import Admission
+from batchstring.frontdoor.batch_api.store import BatchStore, Chunk
+from batchstring.frontdoor.gateway.tenants import cache_salt
+from batchstring.frontdoor.openai_api.routes import ApiError, OpenAIRoutes
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 WINDOW = re.compile(r"([1-9][0-9]*)([mh])")

@@ -13,7 +13,7 @@ import json
 
 from aiohttp import web
 
-from batchstring.frontdoor.auth import ApiKeys
+from batchstring.frontdoor.gateway.auth import ApiKeys
 
 SHARED = ""  # the one tenant when API keys are off
 

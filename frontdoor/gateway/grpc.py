@@ -6,7 +6,7 @@ library refuses a message larger than `max_message_bytes` with RESOURCE_EXHAUSTE
 read, so no request can make the server allocate more than that. Cancellation and deadlines pass
 through: a client that cancels its stream cancels Triton's, which cancels its requests.
 
-While the front door drains (frontdoor/health.py `Drain`), every new call but ServerLive is
+While the front door drains (frontdoor/gateway/health.py `Drain`), every new call but ServerLive is
 refused with UNAVAILABLE, and so is every new request on a stream already open (answered on that
 stream, under its own id, as Triton answers a request it refuses); the requests already sent run
 on, and a stream whose requests outlast the drain is ended with UNAVAILABLE.
@@ -22,10 +22,10 @@ from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
 
 from batchstring.client.protocol import CACHE_SALT_PARAMETER as CACHE_SALT
-from batchstring.frontdoor import tenants
-from batchstring.frontdoor.auth import ApiKeys
-from batchstring.frontdoor.health import Drain, ModelProcess, StreamRequests
-from batchstring.frontdoor.limits import Limits
+from batchstring.frontdoor.gateway import tenants
+from batchstring.frontdoor.gateway.auth import ApiKeys
+from batchstring.frontdoor.gateway.health import Drain, ModelProcess, StreamRequests
+from batchstring.frontdoor.gateway.limits import Limits
 
 SERVICE = "/inference.GRPCInferenceService/"
 UNARY = ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelConfig",
@@ -38,7 +38,7 @@ READINESS = {"ServerReady": service_pb2.ServerReadyResponse, "ModelReady": servi
 
 
 class Passthrough(grpc.GenericRpcHandler):
-    """`model`: the model process to judge Triton's readiness answers by (frontdoor/health.py): the
+    """`model`: the model process to judge Triton's readiness answers by (frontdoor/gateway/health.py): the
     same answer over gRPC as over HTTP."""
 
     def __init__(self, upstream: str, limits: Limits, keys: ApiKeys | None = None, drain: Drain | None = None,

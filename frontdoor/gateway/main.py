@@ -25,17 +25,17 @@ from aiohttp import web
 
 from batchstring.client import AsyncBatchClient
 from batchstring.client.defaults import MODEL
-from batchstring.frontdoor import grpc as grpc_side
-from batchstring.frontdoor.auth import ApiKeys
-from batchstring.frontdoor.batch_runner import CHUNK_LINES, LEASE_SECONDS, BatchRunner
-from batchstring.frontdoor.batch_share import DEFAULT_SHARE, Admission
-from batchstring.frontdoor.batch_store import STORE_ENV, StoreLimits, default_data_dir, open_store, store_url
-from batchstring.frontdoor.batches import BatchRoutes
-from batchstring.frontdoor.chat import ChatTemplate
-from batchstring.frontdoor.health import Drain
-from batchstring.frontdoor.http import Upstream, make_app, make_metrics_app
-from batchstring.frontdoor.limits import Limits
-from batchstring.frontdoor.openai_api import OpenAIRoutes
+from batchstring.frontdoor.batch_api.routes import BatchRoutes
+from batchstring.frontdoor.batch_api.runner import CHUNK_LINES, LEASE_SECONDS, BatchRunner
+from batchstring.frontdoor.batch_api.share import DEFAULT_SHARE, Admission
+from batchstring.frontdoor.batch_api.store import STORE_ENV, StoreLimits, default_data_dir, open_store, store_url
+from batchstring.frontdoor.gateway import grpc as grpc_side
+from batchstring.frontdoor.gateway.auth import ApiKeys
+from batchstring.frontdoor.gateway.health import Drain
+from batchstring.frontdoor.gateway.http import Upstream, make_app, make_metrics_app
+from batchstring.frontdoor.gateway.limits import Limits
+from batchstring.frontdoor.openai_api.chat import ChatTemplate
+from batchstring.frontdoor.openai_api.routes import OpenAIRoutes
 
 UNREADY_EXIT = 3
 DRAIN_SECONDS = 5.0  # with the stop after it (<= 3 s), within `docker stop`'s default 10 s

@@ -17,11 +17,11 @@ import aiohttp
 from aiohttp import web
 
 from batchstring.client.defaults import MODEL
-from batchstring.frontdoor import tenants
-from batchstring.frontdoor.auth import ApiKeys
-from batchstring.frontdoor.health import Drain, ModelProcess
-from batchstring.frontdoor.limits import TRITON_HTTP_BYTES, Limits
-from batchstring.frontdoor.openai_api import OpenAIRoutes, error_response
+from batchstring.frontdoor.gateway import tenants
+from batchstring.frontdoor.gateway.auth import ApiKeys
+from batchstring.frontdoor.gateway.health import Drain, ModelProcess
+from batchstring.frontdoor.gateway.limits import TRITON_HTTP_BYTES, Limits
+from batchstring.frontdoor.openai_api.routes import OpenAIRoutes, error_response
 
 GET_ROUTES = ("/v2", "/v2/health/live", "/v2/health/ready", f"/v2/models/{MODEL}", f"/v2/models/{MODEL}/ready",
               f"/v2/models/{MODEL}/config", f"/v2/models/{MODEL}/stats")
@@ -41,7 +41,7 @@ def error(status: int, message: str, path: str = "") -> web.Response:
 class Upstream:
     """Triton's HTTP server, over a pool of kept-alive connections: `address` is a Unix socket path
     (how `batchstring serve` and the image run it) or host:port. With `triton_pid`, readiness also
-    requires the model's stub process to be alive (frontdoor/health.py `ModelProcess`)."""
+    requires the model's stub process to be alive (frontdoor/gateway/health.py `ModelProcess`)."""
 
     def __init__(self, address: str, triton_pid: int | None = None) -> None:
         self.address = address

@@ -29,9 +29,9 @@ from aiohttp import web
 from batchstring.client import AsyncBatchClient, Completion, InvalidArgument
 from batchstring.client import openai_format as fmt
 from batchstring.client.protocol import Piece
-from batchstring.frontdoor.auth import ApiKeys
-from batchstring.frontdoor.chat import ChatTemplate
-from batchstring.frontdoor.tenants import cache_salt, owner
+from batchstring.frontdoor.gateway.auth import ApiKeys
+from batchstring.frontdoor.gateway.tenants import cache_salt, owner
+from batchstring.frontdoor.openai_api.chat import ChatTemplate
 
 MAX_PROMPTS = 256  # prompts in one completion request (each is one request to Triton)
 

@@ -3,7 +3,7 @@
 One node keeps its metadata in SQLite (WAL) and file contents under its data directory, so that a
 single server needs no database to run and its jobs survive a restart, a crash or a redeploy.
 Replicas share one PostgreSQL database, chosen by URL (`--batch-store postgresql://...`), holding
-the same tables and the file contents too (frontdoor/batch_files.py): whichever replica a balancer
+the same tables and the file contents too (frontdoor/batch_api/files.py): whichever replica a balancer
 picks reads and writes the same batches and files.
 
 Exactly once, by the database: every answered line is a row keyed by (batch, line), inserted with
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import BinaryIO
 from urllib.parse import urlsplit
 
-from batchstring.frontdoor.batch_files import FileStore, LocalFiles, PostgresFiles
+from batchstring.frontdoor.batch_api.files import FileStore, LocalFiles, PostgresFiles
 
 MB = 10**6
 UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")

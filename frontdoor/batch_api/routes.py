@@ -15,11 +15,11 @@ import asyncio
 
 from aiohttp import web
 
-from batchstring.frontdoor.auth import ApiKeys
-from batchstring.frontdoor.batch_runner import ENDPOINTS, BatchRunner, window_seconds
-from batchstring.frontdoor.batch_store import MB, BatchStore, batch_object
-from batchstring.frontdoor.openai_api import ApiError, json_body
-from batchstring.frontdoor.tenants import owner
+from batchstring.frontdoor.batch_api.runner import ENDPOINTS, BatchRunner, window_seconds
+from batchstring.frontdoor.batch_api.store import MB, BatchStore, batch_object
+from batchstring.frontdoor.gateway.auth import ApiKeys
+from batchstring.frontdoor.gateway.tenants import owner
+from batchstring.frontdoor.openai_api.routes import ApiError, json_body
 
 MULTIPART_OVERHEAD = 64 * 1024  # the form's boundaries and the purpose field, beyond the file itself
 CHUNK = 256 * 1024

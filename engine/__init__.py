@@ -6,7 +6,7 @@ thread, inbox, backpressure, watchdog, health and stop path. `scheduler` (who ru
 what a step did to them; it owns `block_manager`, the paged KV cache's blocks and prefix cache),
 `policy` (continuous or static batching), `isolation` (running a step so that only a request that
 fails alone fails), `batch` (the step's inputs, built as arrays), `block_table` (the block table
-and how a step's attention walks it), `buckets` (decode steps of static shapes for CUDA graphs),
+and how a step's attention walks it), `cuda_graph_padding` (decode steps padded to static shapes for CUDA graphs),
 `runner` (the exported step on ONNX Runtime or TorchScript, fed the typed inputs of
 export/contract.py), `speculation` (drafts proposed and verified), `grammar` (structured output's
 masks and forced runs), `sequence` (a request's tokens and cache state), `output` (its text, stop

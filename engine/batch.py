@@ -134,7 +134,7 @@ def split_step(work: list[Work], block_size: int, call_cost: int) -> list[list[W
         return [work]  # the prefill group has rows of one width: nothing is padded
     news = np.fromiter((w.new for w in work), np.int64, len(work))
     widths = np.asarray(sorted(wider), np.int64)
-    past = np.fromiter((w.seq.num_cached for w in work), np.int64, len(work))
+    past = np.fromiter((w.seq.num_computed for w in work), np.int64, len(work))
     prefill = news > 1
     wide = int(widths[-1])
     cuts = widths[:-1, None]  # [K, 1]
@@ -157,7 +157,7 @@ def _decode_group(decode: list[Work], blocks: BlockManager) -> _Group:
     n, size = len(decode), blocks.block_size
     if not n:
         return _EMPTY
-    info = np.array([(w.seq.row, w.seq.num_cached, w.seq.token_at(w.seq.num_cached)) for w in decode], np.int64)
+    info = np.array([(w.seq.row, w.seq.num_computed, w.seq.token_at(w.seq.num_computed)) for w in decode], np.int64)
     rows, past, ids = info[:, 0], info[:, 1], info[:, 2]
     write = blocks.table.array[rows, past // size] * size + past % size
     order = np.arange(n)
@@ -170,7 +170,7 @@ def _prefill_group(prefill: list[Work], blocks: BlockManager, offset: int) -> _G
     runs or drafts costs what one row does."""
     n, size = len(prefill), blocks.block_size
     news = np.fromiter((w.new for w in prefill), np.int64, n)
-    past = np.fromiter((w.seq.num_cached for w in prefill), np.int64, n)
+    past = np.fromiter((w.seq.num_computed for w in prefill), np.int64, n)
     rows = np.fromiter((w.seq.row for w in prefill), np.int64, n)
     outputs = 1 + np.fromiter((len(w.draft) for w in prefill), np.int64, n)  # positions sampled: drafts + 1
     width, ends = int(news.max()), np.cumsum(news)

@@ -106,7 +106,7 @@ class BlockManager:
             self._refs[block] += 1
         seq.committed = len(hits)
         self._assign(seq, hits)
-        seq.num_cached = cached
+        seq.num_computed = cached
         self.grow(seq, cached + new_tokens)
         return True
 
@@ -140,7 +140,7 @@ class BlockManager:
         seq.blocks = []
         seq.dropped = 0
         seq.committed = 0
-        seq.num_cached = 0
+        seq.num_computed = 0
         if seq.row is not None:
             self._free_rows.append(seq.row)
             seq.row = None
@@ -148,13 +148,13 @@ class BlockManager:
     def slide(self, seq: Sequence) -> None:
         """Gives up the sequence's leading blocks that no layer's window reaches any more (a model
         whose every layer has a sliding window: Mistral, StarCoder2). A query at position q sees
-        keys past q - window, and every later query of the sequence sits at num_cached or beyond.
+        keys past q - window, and every later query of the sequence sits at num_computed or beyond.
         Its table row keeps pointing at the blocks given up: the step reads them there and masks
         them, whoever holds them now. With prefix caching, only blocks already made findable go:
         they stay findable until their space is needed, as any freed block does."""
         if self.window is None:
             return
-        reachable = max(0, (seq.num_cached - self.window + 1) // self.block_size)
+        reachable = max(0, (seq.num_computed - self.window + 1) // self.block_size)
         end = min(reachable, seq.committed) if self.prefix_caching else reachable
         if end > seq.dropped:
             self._free(seq.blocks[seq.dropped:end])
@@ -185,7 +185,7 @@ class BlockManager:
 
     def commit(self, seq: Sequence) -> None:
         """Makes the sequence's newly filled blocks findable by later sequences."""
-        while seq.committed < seq.num_cached // self.block_size:
+        while seq.committed < seq.num_computed // self.block_size:
             i = seq.committed
             block, key = seq.blocks[i], self._key(seq, i)
             if self._hash[block] is None:

@@ -42,7 +42,7 @@ class EngineConfig:
     speculative_step_tokens: int = 16  # drafts only while the step, drafts included, has at most this many tokens
     skip_forced_tokens: bool = True  # a constrained row's tokens its grammar admits one at a time need no step
     split_step_cost: int = AUTO  # keys x queries of padded attention worth a second call of a step; auto: by device
-    cuda_graphs: bool = False  # torchscript on a GPU: decode steps replayed from CUDA graphs (engine/buckets.py)
+    cuda_graphs: bool = False  # torchscript on a GPU: decode steps replayed from CUDA graphs (cuda_graph_padding.py)
 
     def __post_init__(self) -> None:
         if self.runtime not in RUNTIMES:

@@ -21,8 +21,8 @@ import numpy as np
 
 from batchstring.engine.batch import StepBatch
 from batchstring.engine.block_table import BlockTable
-from batchstring.engine.buckets import PaddedStep, pad_decode
 from batchstring.engine.cores import available_cores
+from batchstring.engine.cuda_graph_padding import PaddedStep, pad_decode
 from batchstring.export.contract import FETCHED, INPUT_NAMES, OUTPUT_NAMES, Held, StepInputs, arguments
 from batchstring.export.layout import SMALL_STEP_GRAPH
 
@@ -333,7 +333,7 @@ class OnnxCudaRunner(PagedCacheRunner):
 class TorchScriptRunner(PagedCacheRunner):
     """The TorchScript step on the instance's device; the cache stays on that device.
 
-    With `cuda_graphs` on a CUDA device, decode steps that fit a bucket (engine/buckets.py) are
+    With `cuda_graphs` on a CUDA device, decode steps that fit a bucket (engine/cuda_graph_padding.py) are
     replayed from CUDA graphs (`CudaGraphs`), the cache write inside the graph; the cache gets one
     scratch block more, which the padding rows write to."""
 
@@ -387,7 +387,7 @@ class TorchScriptRunner(PagedCacheRunner):
 
 
 class CudaGraphs:
-    """Decode steps replayed from CUDA graphs, one per bucket (engine/buckets.py), captured the
+    """Decode steps replayed from CUDA graphs, one per bucket (engine/cuda_graph_padding.py), captured the
     first time a bucket comes up: the step and its cache write, on static input buffers that each
     replay refills. The graphs share one memory pool (one replays at a time). Off by default
     (`cuda_graphs`): capture is verified by `make gpu-check` on a GPU, not on the CPU."""

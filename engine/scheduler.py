@@ -167,8 +167,8 @@ class Scheduler:
         if end > seq.num_tokens - 1:
             return False  # no further full block to share
         prefix = seq.token_slice(0, end)
-        return any(other.num_cached < end <= other.num_tokens - 1 and other.token_slice(0, end) == prefix
-                   for other in [*self.running, *admitted] if other.num_tokens - other.num_cached > 1)
+        return any(other.num_computed < end <= other.num_tokens - 1 and other.token_slice(0, end) == prefix
+                   for other in [*self.running, *admitted] if other.num_tokens - other.num_computed > 1)
 
     def _decode_rows(self) -> list[Work]:
         """One more token for every running sequence that has computed all its tokens but the last,
@@ -176,13 +176,13 @@ class Scheduler:
         token starts a new block needs anything from the block manager."""
         size = self.blocks.block_size
         for seq in [s for s in self.running if len(s.blocks) * size < s.num_tokens]:
-            if seq.num_tokens - seq.num_cached > 1:
+            if seq.num_tokens - seq.num_computed > 1:
                 continue  # still prefilling: gets its blocks with its next chunk
             while seq.status is Status.RUNNING and not self.blocks.can_grow(seq, seq.num_tokens):
                 self.preempt(self.running[-1])
             if seq.status is Status.RUNNING:
                 self.blocks.grow(seq, seq.num_tokens)
-        return [Work(s, 1) for s in self.running if s.num_tokens - s.num_cached == 1]
+        return [Work(s, 1) for s in self.running if s.num_tokens - s.num_computed == 1]
 
     def _with_drafts(self, work: list[Work]) -> list[Work]:
         """Decoding rows with speculative drafts (engine/speculation.py decides which), each given
@@ -200,17 +200,17 @@ class Scheduler:
 
     def _prefill_chunks(self) -> list[Work]:
         """The next chunk of each running sequence still prefilling, within the step's budget."""
-        budget = self.config.max_num_batched_tokens - sum(1 for s in self.running if s.num_tokens - s.num_cached == 1)
+        budget = self.config.max_num_batched_tokens - sum(1 for s in self.running if s.num_tokens - s.num_computed == 1)
         work = []
-        for seq in [s for s in self.running if s.num_tokens - s.num_cached > 1]:
+        for seq in [s for s in self.running if s.num_tokens - s.num_computed > 1]:
             if budget <= 0:
                 break
-            pending = seq.num_tokens - seq.num_cached
+            pending = seq.num_tokens - seq.num_computed
             new = min(pending, budget, self._chunk_cap(pending))
-            if not self.blocks.can_grow(seq, seq.num_cached + new):
+            if not self.blocks.can_grow(seq, seq.num_computed + new):
                 break  # waits for blocks; never preempts the decoding sequences
-            self.blocks.grow(seq, seq.num_cached + new)
-            work.append(Work(seq, new, samples=seq.num_cached + new == seq.num_tokens))
+            self.blocks.grow(seq, seq.num_computed + new)
+            work.append(Work(seq, new, samples=seq.num_computed + new == seq.num_tokens))
             budget -= new
         return work
 
@@ -289,8 +289,8 @@ class Scheduler:
         size = self.blocks.block_size
         for w in work:
             seq = w.seq
-            seq.num_cached += w.new
-            if self.blocks.prefix_caching and seq.num_cached // size > seq.committed:
+            seq.num_computed += w.new
+            if self.blocks.prefix_caching and seq.num_computed // size > seq.committed:
                 self.blocks.commit(seq)
             self.blocks.slide(seq)
         return ended

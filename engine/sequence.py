@@ -41,7 +41,7 @@ class Sequence:
     priority: int = 1  # 1: interactive; higher: background (Batch API lines), which gives way to 1
     cache_salt: bytes = b""  # keys its prefix-cache blocks: only sequences with the same salt share them
     row: int | None = None  # its row in the block manager's table while it holds blocks
-    num_cached: int = 0  # leading tokens whose K/V are in the cache
+    num_computed: int = 0  # computed tokens (vLLM's num_computed_tokens): the leading ones whose K/V are in the cache
     status: Status = Status.WAITING
     order: int = field(default_factory=lambda: next(_arrival_order))
     first_token_at: float | None = None
@@ -72,7 +72,7 @@ class Sequence:
 
     def pending_ids(self, count: int) -> list[int]:
         """The next `count` tokens the step must feed (after a preemption: prompt and output again)."""
-        start = self.num_cached
+        start = self.num_computed
         prompt = len(self.prompt_ids)
         if start + count <= prompt:
             return self.prompt_ids[start : start + count]

@@ -3,7 +3,7 @@
 One module says what the step takes and returns. The exporter traces `DecoderStep` with
 arguments in this order and names them from `INPUTS` (its dynamic axes too), the engine builds a
 `StepInputs` (engine/batch.py), every runner feeds it by field (engine/runner.py), the CUDA-graph
-padding rewrites it by field (engine/buckets.py), and the export's verification packs its test
+padding rewrites it by field (engine/cuda_graph_padding.py), and the export's verification packs its test
 rows into one as well (export/verify.py). Adding an input is a row in `INPUTS` and a field of
 `StepInputs` or `SamplingInputs` (checked against each other at import), plus its producer and its
 consumer in the step.

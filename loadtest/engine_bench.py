@@ -146,7 +146,7 @@ def runner_ceiling(model_dir: Path, past: int = 128, steps: int = 20) -> dict[in
         for s in seqs:
             s.prompt_ids, s.output_ids = list(ids), [0]
             blocks.grow(s, past + 1)
-            s.num_cached = past
+            s.num_computed = past
         step_batch = build_step([Work(s, 1) for s in seqs], blocks)
         engine.runner.step(step_batch)
         timings = []

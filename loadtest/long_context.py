@@ -85,7 +85,7 @@ def decoding(blocks: BlockManager, pasts: list[int]) -> list[Work]:
     for i, past in enumerate(pasts):
         seq = Sequence(f"row-{i}", [1 + (i + j) % 97 for j in range(past + 1)], GREEDY)
         blocks.grow(seq, past + 1)
-        seq.num_cached = past
+        seq.num_computed = past
         work.append(Work(seq, 1))
     return work
 

@@ -52,7 +52,7 @@ def test_cached_blocks_are_shared_only_under_the_same_salt(first, second, shared
     tokens = list(range(100, 113))  # three full blocks and one token
     writer = _seq(tokens, first)
     assert blocks.admit(writer, blocks.lookup(writer), len(tokens))
-    writer.num_cached = len(tokens)
+    writer.num_computed = len(tokens)
     blocks.commit(writer)
     reader = _seq(tokens, second)
     assert len(blocks.lookup(reader)) == (3 if shared else 0)

@@ -141,7 +141,7 @@ def test_a_step_splits_in_two_calls_only_when_padding_would_cost_more_than_a_cal
     rows of one width, or a short run among short rows, stay one call."""
 
     def work(news: list[int], past: int = 200) -> list[Work]:
-        return [Work(Sequence(str(i), [1] * (past + n), SamplingParams(), num_cached=past), n)
+        return [Work(Sequence(str(i), [1] * (past + n), SamplingParams(), num_computed=past), n)
                 for i, n in enumerate(news)]
 
     crowd = work([1] * 40 + [5] * 12 + [128, 97])
@@ -283,7 +283,7 @@ def rows_of(eng, pasts: list[int], params: list[SamplingParams]) -> list:
     for i, (past, p) in enumerate(zip(pasts, params)):
         seq = Sequence(f"row-{i}", [1 + (i * 7 + j) % 4000 for j in range(past + 1)], p)
         eng.scheduler.blocks.grow(seq, past + 1)
-        seq.num_cached = past
+        seq.num_computed = past
         work.append(Work(seq, 1))
     return work
 
@@ -299,7 +299,7 @@ def test_a_decode_step_padded_to_its_bucket_computes_what_the_step_itself_does(l
     blocks, sampled rows padded with greedy ones) against the same step unpadded, in a small step
     (its rows in the prefill group) and a large one (the decode group), on the CPU."""
     from batchstring.engine.batch import build_step
-    from batchstring.engine.buckets import pad_decode
+    from batchstring.engine.cuda_graph_padding import pad_decode
 
     eng = engine(long_export, runtime=runtime, **CHUNKED)
     rng = np.random.default_rng(0)
@@ -327,7 +327,7 @@ def test_a_decode_step_padded_to_its_bucket_computes_what_the_step_itself_does(l
 
 def test_steps_that_fit_no_bucket_run_as_they_are(long_export):
     from batchstring.engine.batch import Work, build_step
-    from batchstring.engine.buckets import pad_decode
+    from batchstring.engine.cuda_graph_padding import pad_decode
 
     eng = engine(long_export, **CHUNKED)
     blocks = eng.scheduler.blocks
@@ -341,7 +341,7 @@ def test_steps_that_fit_no_bucket_run_as_they_are(long_export):
     assert padded(rows_of(eng, [20] * 30 + [9000], [GREEDY] * 31)) is None, "one span per row would waste"
     assert padded(rows_of(eng, [10], [SamplingParams(max_tokens=4, logit_bias=((5, 2.0),))])) is None, "adjustments"
     two = rows_of(eng, [20, 30], [GREEDY, GREEDY])
-    two[1].seq.num_cached = 29
+    two[1].seq.num_computed = 29
     assert padded([two[0], Work(two[1].seq, 2)]) is None, "a row feeding two tokens"
     quiet = rows_of(eng, [20, 30, 40], [GREEDY] * 3)  # the middle row computes without sampling
     assert padded([quiet[0], Work(quiet[1].seq, 1, samples=False), quiet[2]]) is None, "a row not sampled"

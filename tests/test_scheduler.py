@@ -97,7 +97,7 @@ def test_chunked_prefill_spreads_a_long_prompt_over_steps_while_others_decode():
         assert sum(w.new for w in step.work) <= 16
         assert [w.new for w in step.work if w.seq in short] == [1, 1], "the decoding ones never wait"
         chunks += [w.new for w in step.work if w.seq is long]
-        assert [w.samples for w in step.work if w.seq is long] == [long.num_cached + chunks[-1] == 40]
+        assert [w.samples for w in step.work if w.seq is long] == [long.num_computed + chunks[-1] == 40]
         sampled = [w.seq for w in step.work if w.samples]
         sched.update(step.work, sampled, np.full(len(sampled), 7))
     assert chunks == [14, 14, 12] and long.output_ids == [7]
@@ -185,7 +185,7 @@ def test_reference_counts_stay_right_under_preemption_and_cancellation():
         if sched.waiting and rng.random() < 0.05:
             sched.retire(sched.waiting[-1])
         owned_blocks_are_consistent(sched)
-        assert all(len(s.blocks) * 4 >= s.num_cached for s in sched.running)
+        assert all(len(s.blocks) * 4 >= s.num_computed for s in sched.running)
     assert sched.preemptions > 0 and sched.blocks.hit_tokens > 0
 
 
@@ -196,7 +196,7 @@ def test_the_youngest_is_preempted_when_running_sequences_cannot_grow_then_recom
     sched.add(young)
     assert fake_step(sched) == [old, young]  # one block each, one left
     assert fake_step(sched) == [old]  # both need a 2nd block for token 5: the oldest gets it
-    assert young.status is Status.WAITING and young.num_cached == 0 and young.blocks == []
+    assert young.status is Status.WAITING and young.num_computed == 0 and young.blocks == []
     assert old.status is Status.RUNNING and sched.preemptions == 1
     assert young.pending_ids(5) == young.prompt_ids + young.output_ids  # recompute everything
     sched.retire(old)
@@ -264,7 +264,7 @@ def test_update_ends_sequences_at_eos_and_at_max_tokens_unless_eos_is_ignored():
     step = sched.schedule()
     ended = sched.update(step.work, step.seqs, np.array([EOS, 5, EOS]))
     assert ended == {eos: "stop", length: "length"}
-    assert [s.num_cached for s in step.seqs] == [3, 3, 3] and ignoring.output_ids == [EOS]
+    assert [s.num_computed for s in step.seqs] == [3, 3, 3] and ignoring.output_ids == [EOS]
 
 
 def test_block_manager_refuses_to_over_allocate():

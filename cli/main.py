@@ -13,7 +13,7 @@ from batchstring.client import cli as client_cli
 # name -> (module, arguments function, run function, help)
 COMMANDS = {
     "export": ("batchstring.export.cli", "add_export_arguments", "run_export",
-               "export a HF decoder checkpoint (see the README's families) to the model repository, verified"),
+               "export a HF decoder checkpoint (see docs/models.md's families) to the model repository, verified"),
     "quantize": ("batchstring.export.cli", "add_quantize_arguments", "run_quantize",
                  "an export's weights to int8 or int4 (ONNX MatMulNBits), measured against it: perplexity, "
                  "logits, greedy tokens"),

@@ -43,7 +43,7 @@ class GenerationOptions:
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict | None = None  # {token id: bias in [-100, 100]}
-    # Structured output, at most one: the text generated matches it (README, "Structured output").
+    # Structured output, at most one: the text generated matches it (docs/client.md, "Structured output").
     json_schema: dict | str | None = None
     json_object: bool | None = None  # any JSON object
     regex: str | None = None

@@ -30,7 +30,7 @@ from batchstring.export.contract import SamplingInputs, StepInputs
 
 SMALL_STEP_TOKENS = 16  # a step of at most this many tokens: one attention group (and, on the CPU, its own session)
 # Keys x queries of padded attention worth a second runner call of a step (split_step), by device.
-# CPU: ~1 ms, from a fit over recorded steps (BENCHMARKS.md). CUDA: a call is hundreds of kernel
+# CPU: ~1 ms, from a fit over recorded steps (docs/benchmarks.md). CUDA: a call is hundreds of kernel
 # launches (milliseconds) while padded attention is cheap, so only padding of millions of keys x
 # queries splits a step; an estimate, not yet measured on a GPU (engine parameter split_step_cost).
 SPLIT_STEP_COSTS = {"cpu": 4096, "cuda": 1 << 24}

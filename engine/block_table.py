@@ -11,7 +11,7 @@ nothing the host builds per step grows with the contexts. The table itself is th
 long-lived `BlockTable`: passed by reference on the CPU, mirrored on a device and updated there
 from its journal of changes.
 
-`span_blocks` picks C per step and group by a cost model measured on the CPU (BENCHMARKS.md,
+`span_blocks` picks C per step and group by a cost model measured on the CPU (docs/benchmarks.md,
 "paged attention"): every key gathered, padding included, costs ~1; every pair costs
 PAIR_COST keys' worth more (a small matrix multiply per kv head, its scatter entries) plus its
 queries' gather. Uniform rows get one pair each (the whole past in one span, as a padded batch

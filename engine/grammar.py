@@ -1,6 +1,6 @@
 """Constrained decoding: a request's grammar, compiled once, and its state while it generates.
 
-The engine is llguidance (see the README for why): it computes a row's mask of allowed tokens
+The engine is llguidance (docs/client.md, "Structured output", says why): it computes a row's mask of allowed tokens
 lazily, from the grammar's current state, instead of compiling the whole grammar against the
 vocabulary up front, so a new schema costs about a millisecond before its first token and the
 per-step masks of a whole batch are computed in Rust (in parallel, outside the GIL, where the
@@ -41,7 +41,7 @@ CACHE_ENTRIES = 512  # compiled grammars kept, least recently used first out
 # Masks are computed in llguidance's pool only where it has cores to spread them over and there
 # are PARALLEL_MASKS or more; else on the calling thread. On 2 cores the pool (one thread, its
 # default of 80% of the CPUs, or two) lost at every batch size: masks per 16-caller step 1.0-1.2 ms
-# against 0.8 in turn, per 64-caller step 2.3-2.6 against 2.1-2.2 (BENCHMARKS.md); 2 masks 84 us
+# against 0.8 in turn, per 64-caller step 2.3-2.6 against 2.1-2.2 (docs/benchmarks.md); 2 masks 84 us
 # against 33.
 POOL_MIN_CORES = 4
 PARALLEL_MASKS = 8

@@ -145,7 +145,7 @@ def _ort_session(model_dir: Path, device: str, threads: int, arena_bytes: int = 
     pays on cores nobody else wants: a large step's parallel operators are long enough for a
     sleeping worker's wake-up not to matter, while a spinning one holds a core that tritonserver,
     the front door and the responder want (measured side by side on 2 busy cores, a batch-64
-    decode step took 96-103 ms spinning and 14-62 ms not; BENCHMARKS.md)."""
+    decode step took 96-103 ms spinning and 14-62 ms not; docs/benchmarks.md)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -246,7 +246,7 @@ class OnnxRunner(PagedCacheRunner):
     virtual machine, an interrupt to another core each time), which costs what the second core
     saves (one row: 1.30 ms on one thread, 1.61 ms on two sleeping ones), while a
     spinning one is there at once. Served on 2 cores, runs of both variants alternating: one caller
-    1.15-1.35x the tokens/s of one thread, 4 to 16 callers 1.02-1.43x (BENCHMARKS.md). With other
+    1.15-1.35x the tokens/s of one thread, 4 to 16 callers 1.02-1.43x (docs/benchmarks.md). With other
     work on the cores it degrades to about one thread's median. 1 = one thread, nothing spins. Large
     steps (64 rows want every core: 14.8 vs 19.3 ms) run on the other session, whose workers sleep.
     Both sessions hold the weights, so host memory holds them twice (engine/memory.py counts both);

@@ -264,7 +264,7 @@ class Scheduler:
         error: a constrained sequence whose grammar cannot take the token).
 
         A plain loop: per row it is a list append and two comparisons, cheaper than building
-        arrays for them at any batch size the engine runs (measured; see BENCHMARKS.md). A verified
+        arrays for them at any batch size the engine runs (measured; see docs/benchmarks.md). A verified
         draft row (engine/speculation.py) comes as several rows of the same sequence, one per token it
         keeps, and caches the accepted drafts: its tokens are appended before its blocks are hashed.
         """

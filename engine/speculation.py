@@ -35,7 +35,7 @@ Policy (when drafts are proposed at all), in order:
   as much as the tokens they might save, so a full batch never speculates. Within the budget a
   row drafts whenever its lookup finds a match: on the CPU a row of 1 + 4 tokens costs about 18%
   more than a row of one, so a draft pays as soon as it is accepted one time in five, and a
-  back-off after rejected drafts measured worse (BENCHMARKS.md).
+  back-off after rejected drafts measured worse (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from batchstring.engine.stats import EngineStats
 
 # Longest n-gram looked up. A longer match is a more specific context: on code prompts (64 greedy
 # tokens after 32-192 of stdlib source, one at a time) 8 gave 2.27 tokens per decode step against
-# 2.14 with 3, and 1.07x the tokens/s in-process (5 gave 1.01x); BENCHMARKS.md.
+# 2.14 with 3, and 1.07x the tokens/s in-process (5 gave 1.01x); docs/benchmarks.md.
 NGRAM_MAX = 8
 NGRAM_MIN = 1  # shortest
 

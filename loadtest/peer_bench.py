@@ -184,7 +184,7 @@ def build(names: list[str], args: argparse.Namespace, out_dir: Path) -> dict:
     for name, extra in (("llama.cpp", []), ("llama.cpp-ngram", args.llama_spec_args.split())):
         if name in names:
             if not (args.llama_server and args.gguf):
-                raise SystemExit(f"{name} needs --llama-server and --gguf (see BENCHMARKS.md for how they are built)")
+                raise SystemExit(f"{name} needs --llama-server and --gguf (docs/benchmarks.md says how to build them)")
             server = LlamaServer(args.llama_server, args.gguf, max(args.callers), context, args.llama_threads, extra,
                                  out_dir / f"{name}.log")
             systems[name] = LlamaCpp(server, codec)

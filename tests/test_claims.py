@@ -1,4 +1,4 @@
-"""What the README claims about serving, each checked through a real server so that it would fail
+"""What the docs claim about serving, each checked through a real server so that it would fail
 if the claim were false: sampling controls, output tensors, the HTTP routes, cancellation,
 admin lock-down, metrics and bounds. References are independent of the path under test: the
 uncut text for stop strings, greedy decoding for top_k 1, the in-process engine for invariance.

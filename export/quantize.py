@@ -69,6 +69,33 @@ def head_nodes(model, vocab_rows: int) -> list[str]:
             and len(constants[node.input[1]].dims) == 2 and constants[node.input[1]].dims[1] == vocab_rows]
 
 
+def untie_head(model, vocab_rows: int) -> int:
+    """A head tied to the embedding reads the embedding through a Transpose, which the quantizer
+    cannot see through: give each such MatMul its own transposed constant (the embedding's Gather
+    keeps the original). Returns how many it untied."""
+    from onnx import numpy_helper
+
+    constants = {t.name: t for t in model.graph.initializer}
+    made = {n.output[0]: n for n in model.graph.node}
+    untied = 0
+    for node in [n for n in model.graph.node if n.op_type == "MatMul"]:
+        source = made.get(node.input[1])
+        if (source is None or source.op_type != "Transpose" or source.input[0] not in constants
+                or constants[source.input[0]].dims[:1] != [vocab_rows]):
+            continue
+        name = f"{source.input[0]}.transposed"
+        if name not in constants:
+            weight = numpy_helper.to_array(constants[source.input[0]])
+            constants[name] = numpy_helper.from_array(weight.T.copy(), name)
+            model.graph.initializer.append(constants[name])
+        node.input[1] = name
+        untied += 1
+    used = {i for n in model.graph.node for i in n.input} | {o.name for o in model.graph.output}
+    for transpose in [n for n in model.graph.node if n.op_type == "Transpose" and n.output[0] not in used]:
+        model.graph.node.remove(transpose)
+    return untied
+
+
 def quantize_graph(path: Path, quantization: Quantization, vocab_rows: int) -> int:
     """Rewrites the ONNX graph at `path` in place; returns how many MatMuls now hold quantized weights."""
     import onnx
@@ -79,6 +106,8 @@ def quantize_graph(path: Path, quantization: Quantization, vocab_rows: int) -> i
 
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)  # a line per node it leaves alone
     model = onnx.load(str(path))
+    if quantization.head:
+        untie_head(model, vocab_rows)
     excluded = [] if quantization.head else head_nodes(model, vocab_rows)
     config = DefaultWeightOnlyQuantConfig(block_size=quantization.block_size, is_symmetric=quantization.symmetric,
                                           accuracy_level=quantization.accuracy_level or None, bits=quantization.bits)

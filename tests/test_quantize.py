@@ -197,3 +197,32 @@ def test_the_greedy_reference_chooses_among_the_ids_the_step_samples(tmp_path):
     assert any(max(ref.tokens) >= 512 for ref in plain.values()), "HF chose padding ids"
     judged = verify_greedy(model, codec.encode, eos, {"eager step": _eager(step)}, vocabulary=vocabulary)
     assert all(ok["eager step"] for ok in judged.values())
+
+
+def test_a_tied_head_is_untied_exactly_and_quantized_when_asked(model_dir, tmp_path):
+    """The shipped model ties its head to its embedding (a Transpose the quantizer cannot see
+    through): untied, the graph computes the same logits; `--quantize-head` then quantizes it."""
+    import shutil
+
+    import onnx
+
+    from batchstring.export.exporter import onnx_step
+    from batchstring.export.perplexity import window_logits
+    from batchstring.export.quantize import Quantization, quantize_graph, untie_head
+
+    model = onnx.load(str(model_dir / "model.onnx"))
+    assert untie_head(model, 4096) == 1
+    heads = [n for n in model.graph.node if n.op_type == "MatMul" and n.input[1].endswith(".transposed")]
+    assert len(heads) == 1 and not any(n.op_type == "Transpose" and n.input[0] == "lm_head.weight"
+                                       for n in model.graph.node)
+    onnx.save(model, str(tmp_path / "untied.onnx"))
+    window = list(range(5, 69))
+    spec = json.loads((model_dir / "runtime.json").read_text())
+    kv_shape = (spec["num_layers"], spec["num_kv_heads"], spec["head_dim"])
+    before = window_logits(onnx_step(model_dir / "model.onnx", "float32"), window, kv_shape)
+    after = window_logits(onnx_step(tmp_path / "untied.onnx", "float32"), window, kv_shape)
+    assert np.abs(before - after).max() < 1e-5
+    shutil.copyfile(model_dir / "model.onnx", tmp_path / "model.onnx")
+    assert quantize_graph(tmp_path / "model.onnx", Quantization("int4", head=True), 4096) == 17
+    shutil.copyfile(model_dir / "model.onnx", tmp_path / "model.onnx")
+    assert quantize_graph(tmp_path / "model.onnx", Quantization("int4"), 4096) == 16

@@ -171,7 +171,7 @@ class HFGenerateSystem:
         pass
 
 
-def build(names: list[str], args: argparse.Namespace, out_dir: Path) -> dict:
+def build(names: list[str], args: argparse.Namespace, out_dir: Path, items: list[Item]) -> dict:
     systems: dict = {}
     if any(n.startswith("batchstring") for n in names):
         repository = repository_for(args.model, out_dir / "repository") if args.model else DEFAULT_REPOSITORY
@@ -180,7 +180,9 @@ def build(names: list[str], args: argparse.Namespace, out_dir: Path) -> dict:
         systems["batchstring"] = Ours(server, speculative=False)
         systems["batchstring-ngram"] = Ours(server, speculative=True)
     codec = TextCodec.from_file((args.model or MODEL_VERSION_DIR) / "tokenizer.json")
-    context = args.prompt_tokens[1] + args.max_tokens + 16
+    # each slot holds the longest prompt in the served model's own tokens (another export's tokenizer may
+    # cut the workload's text into more tokens than the shipped one does)
+    context = max(len(codec.encode(item.prompt)) for item in items) + args.max_tokens + 16
     for name, extra in (("llama.cpp", []), ("llama.cpp-ngram", args.llama_spec_args.split())):
         if name in names:
             if not (args.llama_server and args.gguf):
@@ -202,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with console.status(f"starting {', '.join(names)}..."):
-        systems = build(names, args, out_dir)
+        systems = build(names, args, out_dir, items)
         for system in systems.values():  # first-call costs (allocations, connections) are nobody's result
             system.measure(items[:2], 1)
     points: list[Point] = []

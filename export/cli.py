@@ -23,6 +23,8 @@ def add_quantization_arguments(p: argparse.ArgumentParser, prefix: str = "") -> 
                    help=f"{prefix}4 (default): ONNX Runtime's CPU kernel multiplies int8 activations (its cost "
                         "is measured); 0: activations in the export's dtype, many times slower on the CPU")
     p.add_argument("--quantize-head", action="store_true", help=f"{prefix}the LM head too")
+    p.add_argument("--quantize-embedding", action="store_true",
+                   help=f"{prefix}the embedding too, as GatherBlockQuantized at 4 bits")
     p.add_argument("--heldout", type=Path, metavar="FILE",
                    help=f"{prefix}UTF-8 text the quantization's perplexity is measured on, at least 256 tokens "
                         "(default: Python source shipped with batchstring, export/heldout/python.txt)")
@@ -40,12 +42,12 @@ def run_export(args: argparse.Namespace) -> int:
     from batchstring.export.step import UnsupportedModel
     from batchstring.export.verify import VerificationError
 
-    if not args.quantize and (args.accuracy_level != 4 or args.quantize_head or args.force
+    if not args.quantize and (args.accuracy_level != 4 or args.quantize_head or args.quantize_embedding or args.force
                               or args.max_perplexity_rise is not None or args.heldout):
-        raise SystemExit("--accuracy-level, --quantize-head, --max-perplexity-rise, --heldout and --force go with "
-                         "--quantize")
+        raise SystemExit("--accuracy-level, --quantize-head, --quantize-embedding, --max-perplexity-rise, --heldout "
+                         "and --force go with --quantize")
     quantization = args.quantize and Quantization(args.quantize, accuracy_level=args.accuracy_level,
-                                                  head=args.quantize_head)
+                                                  head=args.quantize_head, embedding=args.quantize_embedding)
     try:
         export_model(args.model, args.out or MODEL_VERSION_DIR, dtype=args.dtype, quantization=quantization or None,
                      force=args.force, max_rise=args.max_perplexity_rise, heldout=args.heldout)
@@ -73,7 +75,8 @@ def run_quantize(args: argparse.Namespace) -> int:
     source, out = args.model.resolve(), args.out.resolve()
     if out == source:
         raise SystemExit("--out must not be --model: the quantization is measured against the export it is made from")
-    quantization = Quantization(args.scheme, accuracy_level=args.accuracy_level, head=args.quantize_head)
+    quantization = Quantization(args.scheme, accuracy_level=args.accuracy_level, head=args.quantize_head,
+                                embedding=args.quantize_embedding)
     bound = MAX_PERPLEXITY_RISE[args.scheme] if args.max_perplexity_rise is None else args.max_perplexity_rise
     try:
         check_unquantized_export(source)

@@ -45,6 +45,7 @@ class Quantization:
     symmetric: bool = True
     accuracy_level: int = 4  # 4: int8 activations inside the CPU kernel; 0: the export's dtype (slow on the CPU)
     head: bool = False  # the LM head quantized too
+    embedding: bool = False  # the embedding as GatherBlockQuantized, 4 bits (the only width the quantizer writes)
 
     @property
     def bits(self) -> int:
@@ -58,6 +59,8 @@ class Quantization:
         if self.accuracy_level:
             extras.append(f"accuracy_level {self.accuracy_level}")
         extras.append("head quantized" if self.head else "head in the export's dtype")
+        if self.embedding:
+            extras.append("embedding int4")
         return f"{self.scheme} ({', '.join(extras)})"
 
 
@@ -117,12 +120,36 @@ def quantize_graph(path: Path, quantization: Quantization, vocab_rows: int) -> i
                                      nodes_to_exclude=excluded, algo_config=config)
     quantizer.process()
     quantized = quantizer.model.model
+    if quantization.embedding:
+        quantized = _quantize_embedding(quantized, quantization, vocab_rows)
     for stale in path.parent.glob(f"{path.name}.data"):
         stale.unlink()
     large = quantized.ByteSize() > 1_800_000_000  # protobuf's 2 GB limit, as artifacts.write_onnx
     onnx.save_model(quantized, str(path), save_as_external_data=large, all_tensors_to_one_file=True,
                     location=f"{path.name}.data")
     return sum(1 for node in quantized.graph.node if node.op_type == "MatMulNBits")
+
+
+def _quantize_embedding(model, quantization: Quantization, vocab_rows: int):
+    """The embedding's Gather as GatherBlockQuantized (4 bits, blocks along the hidden size): a
+    second pass, since ONNX Runtime's quantizer writes Gather at 4 bits only, and limited to the
+    Gathers that read a [vocab, hidden] constant, so no other table is rounded."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import (
+        DefaultWeightOnlyQuantConfig,
+        MatMulNBitsQuantizer,
+    )
+
+    constants = {t.name: t for t in model.graph.initializer}
+    embeddings = [n.name for n in model.graph.node if n.op_type == "Gather" and n.input[0] in constants
+                  and list(constants[n.input[0]].dims[:1]) == [vocab_rows]]
+    axes = (("Gather", 1),)
+    config = DefaultWeightOnlyQuantConfig(block_size=quantization.block_size, is_symmetric=quantization.symmetric,
+                                          bits=4, op_types_to_quantize=("Gather",), quant_axes=axes)
+    quantizer = MatMulNBitsQuantizer(model, bits=4, block_size=quantization.block_size,
+                                     is_symmetric=quantization.symmetric, nodes_to_include=embeddings,
+                                     op_types_to_quantize=("Gather",), quant_axes=axes, algo_config=config)
+    quantizer.process()
+    return quantizer.model.model
 
 
 @dataclass(frozen=True)

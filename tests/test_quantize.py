@@ -226,3 +226,32 @@ def test_a_tied_head_is_untied_exactly_and_quantized_when_asked(model_dir, tmp_p
     assert quantize_graph(tmp_path / "model.onnx", Quantization("int4", head=True), 4096) == 17
     shutil.copyfile(model_dir / "model.onnx", tmp_path / "model.onnx")
     assert quantize_graph(tmp_path / "model.onnx", Quantization("int4"), 4096) == 16
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_the_embedding_quantizes_as_gather_block_quantized_and_only_the_embedding(model_dir, tmp_path, scheme):
+    """`--quantize-embedding`: the one Gather that reads the [vocab, hidden] table becomes
+    GatherBlockQuantized (4 bits whatever the scheme); every other Gather stays; the graph runs and
+    its logits stay near the unquantized graph's."""
+    import shutil
+
+    import onnx
+
+    from batchstring.export.exporter import onnx_step
+    from batchstring.export.perplexity import window_logits
+    from batchstring.export.quantize import Quantization, quantize_graph
+
+    gathers = sum(n.op_type == "Gather" for n in onnx.load(str(model_dir / "model.onnx")).graph.node)
+    shutil.copyfile(model_dir / "model.onnx", tmp_path / "model.onnx")
+    assert quantize_graph(tmp_path / "model.onnx", Quantization(scheme, head=True, embedding=True), 4096) == 17
+    graph = onnx.load(str(tmp_path / "model.onnx")).graph
+    quantized = [n for n in graph.node if n.op_type == "GatherBlockQuantized"]
+    assert len(quantized) == 1 and sum(n.op_type == "Gather" for n in graph.node) == gathers - 1
+    bits = {a.name: a.i for a in quantized[0].attribute}.get("bits", 4)
+    assert bits == 4
+    spec = json.loads((model_dir / "runtime.json").read_text())
+    kv_shape = (spec["num_layers"], spec["num_kv_heads"], spec["head_dim"])
+    window = list(range(5, 69))
+    before = window_logits(onnx_step(model_dir / "model.onnx", "float32"), window, kv_shape)
+    after = window_logits(onnx_step(tmp_path / "model.onnx", "float32"), window, kv_shape)
+    assert np.isfinite(after).all() and 0 < np.abs(before - after).max() < 5.0

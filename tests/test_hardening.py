@@ -113,13 +113,15 @@ def test_an_expired_deadline_stops_the_work_on_the_server(server):
 def test_cancelling_a_batchstring_call_cancels_its_items_on_the_server(server):
     # 48 items of 450 tokens share the batch: each takes seconds, far longer than the cancellation
     # needs to reach the engine (the responder asks Triton about every live request twice a second).
+    # No speculation: it drafts this repetitive text several tokens a step, and an item that finishes
+    # before its cancellation arrives is not cancelled.
     items = 48
     before = metrics(server.metrics_url)
 
     async def cancelled_call() -> None:
         async with AsyncBatchClient(server.grpc_url) as c:
             task = asyncio.create_task(c.batchstring([f"def long_{i}():" for i in range(items)], max_tokens=450,
-                                                     ignore_eos=True))
+                                                     ignore_eos=True, speculative=False))
             await asyncio.to_thread(metric_reaches, server.metrics_url, "batchstring_running_sequences", items)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):

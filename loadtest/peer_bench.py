@@ -205,12 +205,12 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     with console.status(f"starting {', '.join(names)}..."):
         systems = build(names, args, out_dir, items)
-        for system in systems.values():  # first-call costs (allocations, connections) are nobody's result
-            system.measure(items[:2], 1)
     points: list[Point] = []
     agreement: dict[str, float] = {}
     bar = tqdm(total=len(names) * len(args.callers) * args.repeats, desc="peer-bench", unit="run")
-    try:
+    try:  # every server started is stopped, whatever fails (a refused first request included)
+        for system in systems.values():  # first-call costs (allocations, connections) are nobody's result
+            system.measure(items[:2], 1)
         for callers in args.callers:
             runs: dict[str, list[Run]] = {name: [] for name in names}
             for system in systems.values():  # a level's first batches (new shapes, arena growth) are nobody's result

@@ -23,16 +23,18 @@ import numpy as np
 from batchstring.engine.block_manager import BlockManager
 from batchstring.engine.block_table import BlockTable, pair_carrier, single_span_blocks, span_blocks
 from batchstring.engine.config import EngineConfig
-from batchstring.engine.grammar import fill_masks
+from batchstring.engine.randomness import RandomStreams
 from batchstring.engine.sampling import SamplingParams
 from batchstring.engine.sequence import Sequence
+from batchstring.engine.structured_output import step_masks
 from batchstring.export.contract import SamplingInputs, StepInputs
 
 SMALL_STEP_TOKENS = 16  # a step of at most this many tokens: one attention group (and, on the CPU, its own session)
 # Keys x queries of padded attention worth a second runner call of a step (split_step), by device.
-# CPU: ~1 ms, from a fit over recorded steps (docs/benchmarks.md). CUDA: a call is hundreds of kernel
-# launches (milliseconds) while padded attention is cheap, so only padding of millions of keys x
-# queries splits a step; an estimate, not yet measured on a GPU (engine parameter split_step_cost).
+# CPU: the cost of one runner call, from a fit over recorded steps (docs/benchmarks.md, long contexts).
+# CUDA: a call is hundreds of kernel launches while padded attention is cheap, so only padding of
+# millions of keys x queries splits a step; an estimate, not yet measured on a GPU (engine
+# parameter split_step_cost).
 SPLIT_STEP_COSTS = {"cpu": 4096, "cuda": 1 << 24}
 
 
@@ -78,9 +80,10 @@ class StepBatch:
     sampled: list[Sequence]  # the R sequences whose next token comes back, in output order
 
 
-def build_step(work: list[Work], blocks: BlockManager, rng: np.random.Generator | None = None,
+def build_step(work: list[Work], blocks: BlockManager, random: RandomStreams | None = None,
                query_group: int = 1) -> StepBatch:
-    """`query_group`: query heads per kv head, for the choice of span (engine/block_table.py)."""
+    """`random`: the engine's streams (a fresh unseeded one if None); `query_group`: query heads per
+    kv head, for the choice of span (engine/block_table.py)."""
     single_group = sum(w.new for w in work) <= SMALL_STEP_TOKENS
     decode = [w for w in work if w.new == 1]
     prefill = [w for w in work if w.new > 1]
@@ -111,7 +114,7 @@ def build_step(work: list[Work], blocks: BlockManager, rng: np.random.Generator 
         decode_pairs=d.partitions(size, query_group),
         prefill_tokens=p.tokens, prefill_mask=p.mask, prefill_rows=p.rows, prefill_context=p.context,
         prefill_pairs=prefill_pairs, token_order=np.concatenate([d.order, p.order]), logit_tokens=logit_tokens,
-        sampling=sampling_inputs(sampled, rng or np.random.default_rng()),
+        sampling=sampling_inputs(sampled, random or RandomStreams()),
         single_group=single_group and not len(d.rows) and len(prefill_pairs) == len(p.rows))
     return StepBatch(inputs, blocks.table, np.concatenate([d.writes, p.writes]), ordered, sampled)
 
@@ -199,28 +202,23 @@ def _runs(lengths: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray
 
 _NO_SAMPLING = (np.zeros(0, np.int64), np.zeros(0, np.float32), np.zeros(0, np.int64), np.zeros(0, np.float32),
                 np.zeros(0, np.float32), np.zeros(0, np.float32))
-_NO_MASKS = (np.zeros(0, np.int64), np.zeros((0, 0), np.int32))
 _NO_ADJUSTMENTS = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float32), np.zeros(0, np.float32),
                    np.zeros(0, np.float32))
 
 
-def sampling_inputs(seqs: list[Sequence], rng: np.random.Generator) -> SamplingInputs:
-    """Per-row sampling values. A seeded request draws its number from its own generator, so its
-    tokens do not depend on its batch-mates; the others share the engine's generator."""
+def sampling_inputs(seqs: list[Sequence], random: RandomStreams) -> SamplingInputs:
+    """Per-row sampling values; each sampled row's uniform number from engine/randomness.py."""
     params = [s.params for s in seqs]
     ban = np.asarray([i for i, (s, p) in enumerate(zip(seqs, params))
                       if p.min_tokens and not p.ignore_eos and len(s.output_ids) < p.min_tokens], np.int64)
     special = [i for i, p in enumerate(params) if not p.plain]
-    masks = _masks(seqs, params, special) if special else _NO_MASKS
+    masks = step_masks(seqs, special)
     adjustments = _adjustments(seqs, params, special) if special else _NO_ADJUSTMENTS
     chosen = [i for i, p in enumerate(params) if not p.greedy or p.logprobs is not None]
     if not chosen:
         return SamplingInputs(ban, *_NO_SAMPLING, *masks, *adjustments)
     picked = [params[i] for i in chosen]
-    uniform = 1.0 - rng.random(len(chosen))  # (0, 1]
-    for k, i in enumerate(chosen):
-        if seqs[i].rng is not None:
-            uniform[k] = 1.0 - seqs[i].rng.random()
+    uniform = random.uniforms([seqs[i] for i in chosen])
     return SamplingInputs(
         ban,
         np.asarray(chosen, np.int64),
@@ -232,14 +230,6 @@ def sampling_inputs(seqs: list[Sequence], rng: np.random.Generator) -> SamplingI
         *masks,
         *adjustments,
     )
-
-
-def _masks(seqs: list[Sequence], params: list[SamplingParams], special: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """The constrained rows and their grammars' masks (engine/grammar.py), all rows at once."""
-    rows = [i for i in special if params[i].guide is not None]
-    if not rows:
-        return _NO_MASKS
-    return np.asarray(rows, np.int64), fill_masks([seqs[i].output.constraint for i in rows])
 
 
 def _adjustments(seqs: list[Sequence], params: list[SamplingParams], special: list[int]) -> tuple[np.ndarray, ...]:

@@ -1,10 +1,17 @@
 """The engine's core: one iteration at a time — schedule, run, update, outputs.
 
 No threads and no clocks of its own: tests, benchmarks and the serving shell (engine/serving.py)
-drive it the same way, through `add`, `step`, `abort` and `generate`. The scheduler owns the
-paged KV cache's blocks; the isolated step (engine/isolation.py) owns running the exported step
-so that only a request that fails on its own gets an error; this module turns what a step did
-into each request's responses.
+drive it the same way, through `add`, `step`, `abort` and `generate`. A step passes values from
+stage to stage, each stage the one owner of its part:
+  scheduler.schedule()            -> ScheduledStep (rows and their work; owns the KV cache's blocks)
+  speculator.propose(work)        -> drafts, given room by scheduler.grant_drafts (engine/speculation.py)
+  isolation.run(work)             -> StepResult (what ran, what failed on its own, engine/isolation.py)
+  speculator.verify(ran)          -> Ran, accepted tokens only
+  scheduler.update(...)           -> the rows that ended (stop, length)
+  structured.after_step(...)      -> grammars fed, forced runs appended (engine/structured_output.py)
+  policy.defers / released        -> static batching's held answers (engine/policy.py)
+and this module turns what the step did into each request's responses. Random numbers come from
+one owner (engine/randomness.py).
 """
 
 from __future__ import annotations
@@ -19,16 +26,18 @@ from batchstring.engine.config import INPUT_BYTES_PER_TOKEN, EngineConfig
 from batchstring.engine.errors import EngineBroken, InvalidRequest
 from batchstring.engine.faults import with_faults
 from batchstring.engine.grammar import GrammarCompiler
-from batchstring.engine.isolation import IsolatedStep, Ran
+from batchstring.engine.isolation import IsolatedStep, Ran, StepResult
 from batchstring.engine.memory import plan_cache
-from batchstring.engine.output import OutputSink, OutputStream, TokenLogprob
+from batchstring.engine.output import OutputSink, OutputStream, RequestOutput, TokenLogprob
 from batchstring.engine.policy import policy_for
+from batchstring.engine.randomness import RandomStreams
 from batchstring.engine.runner import PagedCacheRunner, RuntimeSpec, build_runner
 from batchstring.engine.sampling import SamplingParams
 from batchstring.engine.scheduler import Scheduler
 from batchstring.engine.sequence import Sequence
 from batchstring.engine.speculation import Speculator
 from batchstring.engine.stats import EngineStats
+from batchstring.engine.structured_output import StructuredOutput
 from batchstring.engine.tokenizer import TextCodec
 
 
@@ -48,17 +57,22 @@ class EngineCore:
         blocks = BlockManager(num_blocks, config.block_size, config.max_num_seqs, self.max_len,
                               config.enable_prefix_caching, self.spec.window)
         self.stats = EngineStats()
-        self.speculator = Speculator(config.speculative_tokens, config.speculative_step_tokens,
-                                     self.spec.eos_token_ids, self.stats)
-        self.scheduler = Scheduler(config, blocks, policy_for(config.scheduling), self.spec.eos_token_ids,
-                                   self.speculator if self.speculator.enabled else None)
+        self.random = RandomStreams()
+        self.policy = policy_for(config.scheduling)
+        self.scheduler = Scheduler(config, blocks, self.policy, self.spec.eos_token_ids)
+        # Drafts only beside chunked prefill: rows that decode while prompts prefill (engine/speculation.py)
+        drafting = config.enable_chunked_prefill and self.policy.chunks
+        self.speculator = Speculator(config.speculative_tokens if drafting else 0, config.speculative_step_tokens,
+                                     self.spec.eos_token_ids, self.stats, self.random)
         runner = runner or build_runner(config.runtime, model_dir, self.spec, num_blocks, config.block_size,
                                         config.device, config.threads, self.cache.arena_bytes,
                                         config.small_step_threads, config.cuda_graphs)
         self.runner = with_faults(runner, config.fault_marker)
-        self.isolation = IsolatedStep(self.runner, self.scheduler, self.stats, self.spec.eos_token_ids,
+        self.isolation = IsolatedStep(self.runner, blocks, self.stats, self.random, self.spec.eos_token_ids,
                                       max(1, self.spec.num_heads // self.spec.num_kv_heads), split_cost(config))
         self.grammars = GrammarCompiler(model_dir / "tokenizer.json", self.spec.vocab_size, self.spec.eos_token_ids)
+        self.structured = StructuredOutput(self.grammars, self.spec.eos_token_ids, config.skip_forced_tokens,
+                                           self.random)
         self._ids = itertools.count()
 
     # ----- requests in -------------------------------------------------------------------------
@@ -89,10 +103,10 @@ class EngineCore:
         request_id = request_id or f"req-{next(self._ids)}"
         output = OutputStream(request_id, prompt, len(ids), sink, self.codec, params, stream=stream,
                               include_input=include_input)
-        if params.guide is not None:  # compiled here, on the caller's thread: never on the step's path
-            output.constraint = self.grammars.constraint(params.guide)
-        return Sequence(request_id, ids, params, output, group=group, deadline=deadline, cache_salt=cache_salt,
-                        priority=priority)
+        seq = Sequence(request_id, ids, params, output, group=group, deadline=deadline, cache_salt=cache_salt,
+                       priority=priority)
+        self.structured.attach(seq)  # compiled here, on the caller's thread: never on the step's path
+        return seq
 
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
@@ -114,7 +128,7 @@ class EngineCore:
         """Answers every request held, with a retryable `error` (shutdown, a broken engine)."""
         for seq in self.scheduler.all():
             if seq.padding:
-                self._deliver_deferred(seq)
+                self._deliver_deferred(seq, self.policy.take(seq))
             else:
                 self.fail(seq, error)
 
@@ -133,14 +147,36 @@ class EngineCore:
         if scheduled is None:
             self._update_gauges()  # requests may have left without a step (aborted, expired)
             return False
-        ran, failed = self.isolation.run(scheduled.work)
-        ran = [Ran(*self.speculator.verify(r.work, r.batch, r.out)) for r in ran]  # drafts: accepted tokens only
-        forced = self.scheduler.forced_tokens
-        ended = [self.scheduler.update(r.work, r.batch.sampled, r.out.tokens) for r in ran]
-        self.stats.forced_tokens += self.scheduler.forced_tokens - forced
-        self.stats.generated_tokens += self.scheduler.forced_tokens - forced
-        self._respond(scheduled.prefill, ran, ended, failed)
+        work = scheduled.work
+        drafts = self.speculator.propose(work)
+        if drafts:
+            work = self.scheduler.grant_drafts(work, drafts)
+        result = self.isolation.run(work)
+        self._check(result)
+        ran = [self.speculator.verify(r) for r in result.ran]  # drafts: accepted tokens only
+        ended = [self._update(r) for r in ran]
+        self._respond(scheduled.prefill, ran, ended, result.failed)
         return True
+
+    def _check(self, result: StepResult) -> None:
+        """Admissions back off after a step too big for memory; a step that failed for every
+        request raises EngineBroken when a one-token probe step fails too (engine/isolation.py)."""
+        if result.oversized is not None:
+            self.scheduler.lower_admit_cap(result.oversized)
+        if result.failed and not result.ran:
+            probe = self.isolation.probe()
+            with self.scheduler.scratch(probe, 1) as room:  # no room to ask: not evidence of a broken device
+                if room and not self.isolation.device_works(probe):
+                    raise EngineBroken("every request of a step failed and so did a one-token probe step "
+                                       f"({result.failed[0][1]})")
+
+    def _update(self, r: Ran) -> dict[Sequence, str]:
+        """The rows of `r` that ended, with why, once the scheduler and structured output took its tokens."""
+        ended = self.scheduler.update(r.work, r.batch.sampled, r.out.tokens)
+        forced = self.structured.after_step(r.batch.sampled, r.out.tokens, ended)
+        self.stats.forced_tokens += forced
+        self.stats.generated_tokens += forced
+        return ended
 
     def generate(self, seqs: list[Sequence]) -> None:
         """In-process use: runs until every sequence is answered. If the engine breaks, every one of
@@ -177,14 +213,14 @@ class EngineCore:
                 self._push_tokens(r, rows, finished)
             for seq, reason in finished.items():
                 if not seq.finished:
-                    error = seq.output.constraint.error if reason == "error" else None  # its grammar's dead end
+                    error = seq.constraint.error if reason == "error" else None  # its grammar's dead end
                     self._finish(seq, reason, error, ended_by_eos=reason == "stop",
                                  code="INVALID_ARG" if error else None)
         for seq, exc in failed:
             self.stats.failures_isolated += 1
             self._finish(seq, "error", error=f"model step failed for this request: {exc}")
-        for seq in self.scheduler.padding_done(self.max_len):
-            self._deliver_deferred(seq)
+        for seq, final in self.policy.released(self.scheduler.running, self.max_len):
+            self._deliver_deferred(seq, final)
         self._update_gauges()
 
     def _record_tokens(self, batch: StepBatch, prefill: bool) -> None:
@@ -223,15 +259,14 @@ class EngineCore:
                 cut: bool = False, code: str | None = None) -> None:
         final = seq.output.final(seq.output_ids, reason, error, ended_by_eos=ended_by_eos, cut=cut, code=code)
         self.stats.record_finish(reason)
-        if error is None and self.scheduler.keeps_as_padding(seq):
-            seq.output.deferred = final  # static batching: answered with the rest of its batch
-            return
+        if error is None and self.policy.defers(seq, final, self.scheduler.running):
+            return  # static batching: answered with the rest of its batch
         self.scheduler.retire(seq)
         seq.output.deliver(final)
 
-    def _deliver_deferred(self, seq: Sequence) -> None:
+    def _deliver_deferred(self, seq: Sequence, final: RequestOutput) -> None:
         self.scheduler.retire(seq)
-        seq.output.deliver(seq.output.deferred)
+        seq.output.deliver(final)
 
     def _update_gauges(self) -> None:
         """The current-state figures of `stats` (the metrics publisher reads them)."""

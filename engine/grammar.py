@@ -6,21 +6,12 @@ vocabulary up front, so a new schema costs about a millisecond before its first 
 per-step masks of a whole batch are computed in Rust (in parallel, outside the GIL, where the
 host has the cores for it).
 
-Life of a constrained request:
-- `EngineCore.make_sequence` (the caller's thread, never the engine's) compiles its `Guide`:
-  bounded in size (engine/sampling.py) and in work (llguidance's fuel limits, then a wall-clock
-  check), cached by grammar text in a bounded LRU of compiled templates; each request gets a copy
-  of the template, which shares the template's lexer caches. A grammar that does not compile, or
-  that admits no text at all, is refused there with the field it came from (INVALID_ARG).
-- each step (engine/batch.py), `fill_masks` writes the packed bitmasks of the constrained rows,
-  which enter the exported step as an input (export/sampler.py applies them inside the graph);
-- after the step (engine/scheduler.py), `Constraint.advance` feeds the chosen token to the
-  matcher; a matcher that cannot take it (its grammar reached a state that admits no token) ends
-  the request with an error. Then `forced_runs` takes, for every such row at once, the run of
-  tokens its grammar now admits one at a time (a JSON schema's keys and punctuation): each is
-  the only token its mask allows, so greedy and sampled decoding alike would pick it, and the
-  scheduler appends them without a model step (their keys and values are computed with the
-  row's next step, engine/batch.py `split_step` keeping them out of a prompt chunk's padding).
+Where the engine uses it (engine/structured_output.py): compiled at admission, on the caller's
+thread (bounded in size by engine/sampling.py and in work by llguidance's fuel limits, then a
+wall-clock check; cached by grammar text in a bounded LRU of compiled templates, each request
+getting a copy that shares the template's lexer caches; a grammar that does not compile, or admits
+no text at all, is refused with the field it came from); `fill_masks` each step; `advance` and
+`forced_runs` after it.
 """
 
 from __future__ import annotations
@@ -40,9 +31,7 @@ COMPILE_SECONDS = 2.0  # a grammar that takes longer to compile (and check) than
 CACHE_ENTRIES = 512  # compiled grammars kept, least recently used first out
 # Masks are computed in llguidance's pool only where it has cores to spread them over and there
 # are PARALLEL_MASKS or more; else on the calling thread. On 2 cores the pool (one thread, its
-# default of 80% of the CPUs, or two) lost at every batch size: masks per 16-caller step 1.0-1.2 ms
-# against 0.8 in turn, per 64-caller step 2.3-2.6 against 2.1-2.2 (docs/benchmarks.md); 2 masks 84 us
-# against 33.
+# default of 80% of the CPUs, or two) lost at every batch size (docs/benchmarks.md, structured output).
 POOL_MIN_CORES = 4
 PARALLEL_MASKS = 8
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

@@ -11,7 +11,6 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from batchstring.engine.grammar import Constraint
 from batchstring.engine.sampling import SamplingParams
 from batchstring.engine.tokenizer import TextCodec
 
@@ -62,8 +61,6 @@ class OutputStream:
         self.responses = 0  # outputs handed to the sink so far
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.sent_logprobs = 0
-        self.deferred: RequestOutput | None = None  # static batching: the final answer, sent with its batch
-        self.constraint: Constraint | None = None  # its grammar's state (engine/grammar.py), if it has one
 
     @property
     def per_token(self) -> bool:

@@ -144,8 +144,8 @@ def _ort_session(model_dir: Path, device: str, threads: int, arena_bytes: int = 
     see OnnxRunner). ONNX Runtime's default keeps every session's workers busy-waiting, which only
     pays on cores nobody else wants: a large step's parallel operators are long enough for a
     sleeping worker's wake-up not to matter, while a spinning one holds a core that tritonserver,
-    the front door and the responder want (measured side by side on 2 busy cores, a batch-64
-    decode step took 96-103 ms spinning and 14-62 ms not; docs/benchmarks.md)."""
+    the front door and the responder want (a batch-64 decode step on 2 busy cores, measured side
+    by side: docs/benchmarks.md, one caller)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -240,15 +240,14 @@ class OnnxRunner(PagedCacheRunner):
     With `threads` 0 (the default) a step of at most SMALL_STEP_TOKENS tokens (every row in the
     prefill group: engine/batch.py) runs on a session of its own, on the small-step graph where the
     export wrote one (export/layout.py SMALL_STEP_GRAPH: the prefill group only, a quarter fewer
-    operators; 1 + 4 tokens 1.14 vs 1.30 ms), with `small_step_threads` intra-op threads (at most
+    operators), with `small_step_threads` intra-op threads (at most
     `available_cores`) that spin between operators. A small step is hundreds of operators of
     microseconds each: a worker that sleeps between them is woken for every parallel one (on a
     virtual machine, an interrupt to another core each time), which costs what the second core
-    saves (one row: 1.30 ms on one thread, 1.61 ms on two sleeping ones), while a
-    spinning one is there at once. Served on 2 cores, runs of both variants alternating: one caller
-    1.15-1.35x the tokens/s of one thread, 4 to 16 callers 1.02-1.43x (docs/benchmarks.md). With other
-    work on the cores it degrades to about one thread's median. 1 = one thread, nothing spins. Large
-    steps (64 rows want every core: 14.8 vs 19.3 ms) run on the other session, whose workers sleep.
+    saves, while a spinning one is there at once (served, both variants alternating:
+    docs/benchmarks.md, one caller). With other work on the cores it degrades to about one
+    thread's speed. 1 = one thread, nothing spins. Large steps (which want every core) run on the
+    other session, whose workers sleep.
     Both sessions hold the weights, so host memory holds them twice (engine/memory.py counts both);
     a fixed `threads` keeps one session.
     """

@@ -14,11 +14,13 @@ with a cached prefix (engine/block_manager.py) only computes the rest. When a ru
 cannot grow, the youngest running sequence is preempted: its blocks are released (its computed
 blocks stay cached) and it is recomputed later.
 
-After a step, `update` owns the bookkeeping: cached counts, appended tokens, which sequences
-ended (end-of-sequence token, `max_tokens`; admission already checked that prompt + `max_tokens`
-fit the context), and the blocks the prefix cache may now offer to others. The batching policy
-(engine/policy.py) decides who may join a step and whether a finished row leaves at once.
-The scheduler owns the block manager: nothing else in the engine takes or frees blocks.
+`schedule` returns what it decided (`ScheduledStep`); the core passes it on and brings back
+what ran. After a step, `update` owns the bookkeeping: computed counts, appended tokens, which
+sequences ended (end-of-sequence token, `max_tokens`; admission already checked that prompt +
+`max_tokens` fit the context), and the blocks the prefix cache may now offer to others. The
+batching policy (engine/policy.py) decides who may join a step. The scheduler owns the block
+manager: nothing else in the engine takes or frees blocks, so speculative drafts get their room
+here (`grant_drafts`) and the isolation probe its scratch block (`scratch`).
 """
 
 from __future__ import annotations
@@ -34,14 +36,14 @@ import numpy as np
 from batchstring.engine.batch import Work
 from batchstring.engine.block_manager import BlockManager
 from batchstring.engine.config import EngineConfig
-from batchstring.engine.grammar import forced_runs
 from batchstring.engine.policy import ContinuousBatching
 from batchstring.engine.sequence import Sequence, Status
-from batchstring.engine.speculation import Speculator
 
 
 @dataclass(frozen=True)
 class ScheduledStep:
+    """What the scheduler decided for one step: each row's work, and whether prompts are in it."""
+
     work: list[Work]
     prefill: bool
 
@@ -52,16 +54,14 @@ class ScheduledStep:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, blocks: BlockManager, policy: ContinuousBatching,
-                 eos_token_ids: tuple[int, ...], speculator: Speculator | None = None) -> None:
+                 eos_token_ids: tuple[int, ...]) -> None:
         self.config = config
         self.blocks = blocks
         self.policy = policy
-        self.speculator = speculator  # speculative drafts for decoding rows; None: off
         self.eos = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
-        self.forced_tokens = 0  # appended without a step: the only tokens their grammars admitted
         self._background = 0  # background (priority > 1) sequences held, running or waiting
         self._admit_cap_until = 0.0
         self._admit_cap = config.max_num_seqs
@@ -104,7 +104,7 @@ class Scheduler:
             admitted = self._admit(budget - sum(w.new for w in work))
             work += admitted
             prefill = any(w.new > 1 for w in work) or bool(admitted)
-            return ScheduledStep(self._with_drafts(work), prefill=prefill) if work else None
+            return ScheduledStep(work, prefill=prefill) if work else None
         admitted = self._admit(budget if self.policy.chunks else None)
         if admitted:
             return ScheduledStep(admitted, prefill=True)
@@ -184,13 +184,12 @@ class Scheduler:
                 self.blocks.grow(seq, seq.num_tokens)
         return [Work(s, 1) for s in self.running if s.num_tokens - s.num_computed == 1]
 
-    def _with_drafts(self, work: list[Work]) -> list[Work]:
-        """Decoding rows with speculative drafts (engine/speculation.py decides which), each given
-        blocks for its drafts here; a row whose drafts would eat into the blocks kept free for
-        growth decodes plainly instead."""
-        if self.speculator is None:
-            return work
-        for i, draft in self.speculator.propose(work).items():
+    def grant_drafts(self, work: list[Work], drafts: dict[int, tuple[int, ...]]) -> list[Work]:
+        """The step's work with the speculative drafts proposed for its rows (by index; see
+        engine/speculation.py), each given blocks for its drafts here; a row whose drafts would eat
+        into the blocks kept free for growth decodes plainly instead."""
+        work = list(work)
+        for i, draft in drafts.items():
             seq = work[i].seq
             end = seq.num_tokens + len(draft)
             if self.blocks.extra_blocks(seq, end) + self._watermark <= self.blocks.num_free:
@@ -222,15 +221,6 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.preemptions += 1
 
-    def keeps_as_padding(self, seq: Sequence) -> bool:
-        """Whether a sequence that just finished stays in its batch (static batching); if so it is
-        marked as padding: its row computes on, and nothing it generates is its answer any more."""
-        seq.padding = seq.status is Status.RUNNING and self.policy.pads(seq, self.running)
-        return seq.padding
-
-    def padding_done(self, max_len: int) -> list[Sequence]:
-        return self.policy.padding_done(self.running, max_len)
-
     @contextmanager
     def scratch(self, seq: Sequence, num_tokens: int) -> Iterator[bool]:
         """Blocks for a throw-away sequence (the isolation probe) while the context lasts; yields
@@ -260,8 +250,8 @@ class Scheduler:
     # ----- after a step ------------------------------------------------------------------------
 
     def update(self, work: list[Work], sampled: list[Sequence], tokens: np.ndarray) -> dict[Sequence, str]:
-        """Records a successful step; returns the sequences that ended, with why (stop / length /
-        error: a constrained sequence whose grammar cannot take the token).
+        """Records a step that ran; returns the sequences that ended, with why (stop / length).
+        Structured output's part (engine/structured_output.py) follows, on the same values.
 
         A plain loop: per row it is a list append and two comparisons, cheaper than building
         arrays for them at any batch size the engine runs (measured; see docs/benchmarks.md). A verified
@@ -269,23 +259,16 @@ class Scheduler:
         keeps, and caches the accepted drafts: its tokens are appended before its blocks are hashed.
         """
         eos = self.eos
-        ended, forcing = {}, []
+        ended = {}
         for seq, token in zip(sampled, tokens.tolist()):
             generated = seq.output_ids
             generated.append(token)
             if seq.padding:
                 continue
-            ends = token in eos and not seq.params.ignore_eos
-            if seq.params.guide is not None and not seq.output.constraint.advance(
-                    token, ends and len(generated) <= seq.params.min_tokens):
-                ended[seq] = "error"  # its grammar admits no token here (engine/grammar.py)
-            elif ends:
+            if token in eos and not seq.params.ignore_eos:
                 ended[seq] = "stop"
             elif len(generated) >= seq.params.max_tokens:
                 ended[seq] = "length"  # admission checked that max_tokens fits the context
-            elif self._may_force(seq):
-                forcing.append(seq)
-        ended.update(dict.fromkeys(self._take_forced(forcing), "length"))
         size = self.blocks.block_size
         for w in work:
             seq = w.seq
@@ -294,31 +277,6 @@ class Scheduler:
                 self.blocks.commit(seq)
             self.blocks.slide(seq)
         return ended
-
-
-    def _may_force(self, seq: Sequence) -> bool:
-        """Whether a row may skip the steps of its forced tokens (`_take_forced`): not a row whose
-        caller reads each token as it comes (streaming, stop strings) or wants each one's
-        log-probability, which only a step computes."""
-        return (seq.params.guide is not None and self.config.skip_forced_tokens and seq.params.logprobs is None
-                and not seq.output.per_token)
-
-    def _take_forced(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Appends to each row the tokens its grammar admits one at a time (engine/grammar.py): the
-        row feeds them with its next step, which computes their keys and values and samples what
-        follows. A seeded sampled row draws the number each would have drawn, so its later tokens
-        are the same. The step that feeds them keeps their few tokens out of a prompt chunk's
-        padded group (engine/batch.py split_step). Returns the rows they take to max_tokens."""
-        if not seqs:
-            return []
-        rooms = [seq.params.max_tokens - len(seq.output_ids) for seq in seqs]
-        runs = forced_runs([seq.output.constraint for seq in seqs], rooms, self.eos)
-        for seq, run in zip(seqs, runs):
-            seq.output_ids.extend(run)
-            self.forced_tokens += len(run)
-            if seq.rng is not None and not seq.params.greedy:
-                seq.rng.random(len(run))
-        return [seq for seq, run, room in zip(seqs, runs, rooms) if len(run) == room]
 
 
 def _level(seq: Sequence) -> int:

@@ -9,11 +9,15 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from batchstring.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:  # both import the sequence's module; a sequence only points at them
+    from batchstring.engine.grammar import Constraint
+    from batchstring.engine.output import OutputStream
 
 
 class Status(enum.Enum):
@@ -30,7 +34,8 @@ class Sequence:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    output: Any = None  # the request's OutputStream
+    output: OutputStream | None = None  # what its caller receives (None: a throw-away probe)
+    constraint: Constraint | None = None  # its grammar's state (structured output), if it has one
     group: int = 0  # the Triton batch it arrived in (static scheduling keeps groups together)
     deadline: float | None = None  # time.monotonic() after which nobody will read the answer
     output_ids: list[int] = field(default_factory=list)
@@ -46,11 +51,7 @@ class Sequence:
     order: int = field(default_factory=lambda: next(_arrival_order))
     first_token_at: float | None = None
     padding: bool = False  # static batching: finished, its row computes on until its batch ends
-    rng: np.random.Generator | None = None  # a seeded request's own random stream
-
-    def __post_init__(self) -> None:
-        if self.params.seed is not None and self.rng is None:
-            self.rng = np.random.default_rng(self.params.seed)
+    rng: np.random.Generator | None = None  # a seeded request's own stream (engine/randomness.py draws from it)
 
     @property
     def all_ids(self) -> list[int]:

@@ -23,18 +23,24 @@ The cache keeps only accepted tokens: a row's cached count advances by 1 + accep
 values written for rejected drafts sit in slots past it and are overwritten when those positions
 are fed again.
 
+Speculation is this module's from end to end: the core asks `propose` for the scheduled step's
+drafts, the scheduler gives them room in the cache (`Scheduler.grant_drafts`), and `verify` turns
+the step that ran into what plain decoding would have produced. A seeded row's stream is held
+before the step and re-seated after it (engine/randomness.py).
+
 Policy (when drafts are proposed at all), in order:
 - server-wide: `speculative_tokens` (k) > 0; per request: sampling parameter `speculative`
   (default true);
-- only decoding rows of continuous batching with chunked prefill (the default), not below
+- only decoding rows of continuous batching with chunked prefill (the default; the core turns
+  speculation off otherwise), not below
   `min_tokens`, without a grammar (structured output) or penalties / logit_bias, and at most as
   many drafts as tokens the request may still generate less one;
 - the batch is small: drafts are added to a step only while the step, drafts included, stays
   within `speculative_step_tokens` tokens. A step is cheap per token only while the device is
   bound by reading weights and cache; once the batch alone fills it, verifying drafts costs
   as much as the tokens they might save, so a full batch never speculates. Within the budget a
-  row drafts whenever its lookup finds a match: on the CPU a row of 1 + 4 tokens costs about 18%
-  more than a row of one, so a draft pays as soon as it is accepted one time in five, and a
+  row drafts whenever its lookup finds a match: on the CPU a row of 1 + 4 tokens costs little more
+  than a row of one, so a draft pays even when it is seldom accepted, and a
   back-off after rejected drafts measured worse (docs/benchmarks.md).
 """
 
@@ -46,13 +52,14 @@ import weakref
 import numpy as np
 
 from batchstring.engine.batch import StepBatch, Work
+from batchstring.engine.isolation import Ran
+from batchstring.engine.randomness import RandomStreams
 from batchstring.engine.runner import StepOutput
 from batchstring.engine.sequence import Sequence
 from batchstring.engine.stats import EngineStats
 
-# Longest n-gram looked up. A longer match is a more specific context: on code prompts (64 greedy
-# tokens after 32-192 of stdlib source, one at a time) 8 gave 2.27 tokens per decode step against
-# 2.14 with 3, and 1.07x the tokens/s in-process (5 gave 1.01x); docs/benchmarks.md.
+# Longest n-gram looked up. A longer match is a more specific context: on code prompts 8 gave more
+# tokens per decode step and more tokens/s than 3 or 5 (docs/benchmarks.md, speculative decoding).
 NGRAM_MAX = 8
 NGRAM_MIN = 1  # shortest
 
@@ -80,16 +87,17 @@ class _Index:
 
 
 class Speculator:
-    """Proposes drafts for a step (the scheduler gives them room in the cache) and turns the
-    verified step into what plain decoding would have produced, accepted tokens only."""
+    """Proposes drafts for a step and turns the verified step into what plain decoding would have
+    produced, accepted tokens only."""
 
-    def __init__(self, k: int, step_tokens: int, eos_token_ids: tuple[int, ...], stats: EngineStats) -> None:
+    def __init__(self, k: int, step_tokens: int, eos_token_ids: tuple[int, ...], stats: EngineStats,
+                 random: RandomStreams) -> None:
         self.k = k
         self.step_tokens = step_tokens
         self.eos = frozenset(eos_token_ids)
         self.stats = stats  # the engine's: its `speculation` counters are bumped here
+        self.random = random
         self._index: weakref.WeakKeyDictionary[Sequence, _Index] = weakref.WeakKeyDictionary()
-        self._rng_states: dict[Sequence, dict] = {}
 
     @property
     def enabled(self) -> bool:
@@ -98,6 +106,8 @@ class Speculator:
     def propose(self, work: list[Work]) -> dict[int, tuple[int, ...]]:
         """Drafts for the step's decoding rows, by index into `work`; none when they would take the
         step past `speculative_step_tokens` (see the module's policy)."""
+        if not self.enabled:
+            return {}
         tokens = sum(w.new for w in work)
         if tokens + self.k > self.step_tokens:
             return {}  # not even one row's drafts fit: a full batch costs nothing more
@@ -105,7 +115,6 @@ class Speculator:
         if not rows or tokens + len(rows) * self.k > self.step_tokens:
             return {}
         drafts = {}
-        self._rng_states = {}
         for i in rows:
             seq = work[i].seq
             index = self._index.get(seq) or self._index.setdefault(seq, _Index())
@@ -113,7 +122,7 @@ class Speculator:
             draft = index.draft(seq.all_ids, min(self.k, room))
             if draft:
                 drafts[i] = draft
-                self._hold_random_state(seq)
+                self.random.hold(seq)  # a seeded row draws a number per verified position
         return drafts
 
     def _may_draft(self, seq: Sequence) -> bool:
@@ -121,22 +130,17 @@ class Speculator:
         grammar's mask and the penalties follow the tokens generated, which drafts would change
         mid-row, and so does the end-of-sequence ban below `min_tokens`."""
         params = seq.params
-        return (params.speculative and not seq.padding and len(seq.output_ids) + 1 < params.max_tokens
+        return (params.speculative and len(seq.output_ids) + 1 < params.max_tokens
                 and params.guide is None and not params.adjusts
                 and (params.ignore_eos or len(seq.output_ids) >= params.min_tokens))
 
-    def _hold_random_state(self, seq: Sequence) -> None:
-        """A seeded sampled row draws one number per position it is verified at; after the step it
-        must have used one per token it kept, as without speculation: remember where it stood."""
-        if seq.rng is not None and (not seq.params.greedy or seq.params.logprobs is not None):
-            self._rng_states[seq] = seq.rng.bit_generator.state
-
-    def verify(self, work: list[Work], batch: StepBatch, out: StepOutput) -> tuple[list[Work], StepBatch, StepOutput]:
+    def verify(self, ran: Ran) -> Ran:
         """The step as plain decoding would have left it: each draft row keeps its accepted drafts
         and the token after them (cut at an end-of-sequence token), and caches only what it keeps."""
+        work, batch, out = ran.work, ran.batch, ran.out
         drafts = {w.seq: w for w in work if w.draft}
         if not drafts:
-            return work, batch, out
+            return ran
         keep = np.ones(len(batch.sampled), bool)
         tokens = out.tokens.tolist()
         kept_work = {}
@@ -150,10 +154,10 @@ class Speculator:
             accepted = self._accepted(w, tokens[row : row + len(w.draft) + 1])
             keep[row + accepted + 1 : row + len(w.draft) + 1] = False
             kept_work[seq] = dataclasses.replace(w, new=1 + accepted, draft=w.draft[:accepted])
-            self._reseat(seq, accepted + 1)
+            self.random.reseat(seq, accepted + 1)  # one number per token kept, as without drafts
             row += len(w.draft) + 1
         work = [kept_work.get(w.seq, w) for w in work]
-        return work, _compact_batch(batch, keep), _compact_output(out, keep, batch.inputs.sampling.sample_rows)
+        return Ran(work, _compact_batch(batch, keep), _compact_output(out, keep, batch.inputs.sampling.sample_rows))
 
     def _accepted(self, w: Work, chosen: list[int]) -> int:
         """Drafts accepted (leading positions where the step chose the draft token), cut so that the
@@ -166,12 +170,6 @@ class Speculator:
             ends = [i for i, token in enumerate(chosen[: accepted + 1]) if token in self.eos]
             accepted = ends[0] if ends else accepted
         return accepted
-
-    def _reseat(self, seq: Sequence, used: int) -> None:
-        state = self._rng_states.pop(seq, None)
-        if state is not None:
-            seq.rng.bit_generator.state = state
-            seq.rng.random(used)
 
 
 def _compact_batch(batch: StepBatch, keep: np.ndarray) -> StepBatch:

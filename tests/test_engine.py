@@ -12,6 +12,7 @@ import pytest
 
 from batchstring.engine.batch import sampling_inputs
 from batchstring.engine.errors import EngineBroken, InvalidRequest
+from batchstring.engine.randomness import RandomStreams
 from batchstring.engine.sampling import SamplingParams
 from batchstring.engine.sequence import Status
 from tests.engine_helpers import GREEDY, Collector, alone, engine, interleave, varied_prompts
@@ -336,7 +337,7 @@ def test_the_step_bans_the_end_of_sequence_until_min_tokens_and_seeds_draw_their
     seqs = [eng.make_sequence("x", p, lambda o: None) for p in params]
     for s, generated in zip(seqs, (2, 2, 0, 5)):
         s.output_ids = [1] * generated
-    sampling = sampling_inputs(seqs, np.random.default_rng(0))
+    sampling = sampling_inputs(seqs, RandomStreams(0))
     assert sampling.ban_rows.tolist() == [0]
     assert sampling.sample_rows.tolist() == [0, 1, 3]  # the greedy row needs no sampling
     assert sampling.uniform[2] == np.float32(1.0 - np.random.default_rng(11).random())

@@ -23,6 +23,7 @@ from batchstring.engine.batch import SPLIT_STEP_COSTS, Work, split_cost, split_s
 from batchstring.engine.block_table import BlockTable, pair_carrier, pair_count, single_span_blocks, span_blocks
 from batchstring.engine.config import INPUT_BYTES_PER_TOKEN, EngineConfig
 from batchstring.engine.errors import InvalidRequest
+from batchstring.engine.randomness import RandomStreams
 from batchstring.engine.runner import DeviceTable
 from batchstring.engine.sampling import SamplingParams
 from batchstring.engine.sequence import Sequence
@@ -309,7 +310,7 @@ def test_a_decode_step_padded_to_its_bucket_computes_what_the_step_itself_does(l
     kinds = [GREEDY, SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3),
              SamplingParams(max_tokens=12, temperature=0.0, min_tokens=5), SamplingParams(max_tokens=12, logprobs=3)]
     work = rows_of(eng, pasts, [kinds[i % len(kinds)] for i in range(len(pasts))])
-    batch = build_step(work, eng.scheduler.blocks, np.random.default_rng(1), query_group=2)
+    batch = build_step(work, eng.scheduler.blocks, RandomStreams(1), query_group=2)
     block_size = CHUNKED["block_size"]
     scratch = (eng.scheduler.blocks.num_blocks - 1) * block_size  # a block no row holds
     padded = pad_decode(batch, block_size, scratch)

@@ -28,7 +28,7 @@ import aiohttp
 from batchstring.client.defaults import MODEL
 
 # Batch lines per interactive request while both run. Measured on the CPU config (docs/client.md, "Interactive
-# first"): 0.5 kept the interactive p99 within 1.3x of its value alone, 1.0 within 1.4-2.0x. On a GPU,
+# first"): 0.5 kept the interactive p99 closest to its value alone. On a GPU,
 # where a step's time grows far less with its rows, more is cheap: measure with batch-bench --share.
 DEFAULT_SHARE = 0.5
 SAMPLE_SECONDS = 0.02

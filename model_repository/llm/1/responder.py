@@ -22,7 +22,7 @@ import numpy as np
 
 from batchstring.engine.output import RequestOutput
 
-# How often each live request is asked whether its client cancelled (~50 us per question): soon
+# How often each live request is asked whether its client cancelled (each question costs the thread): soon
 # after it arrives, then twice as long each time up to CANCEL_POLL_SECONDS, so a request dropped at
 # once (a user who stops a generation) is noticed within a tenth of a second, not half a second.
 FIRST_POLL_SECONDS = 0.1

@@ -125,6 +125,31 @@ def test_one_poisoned_request_fails_alone_and_the_others_complete(model_dir, pro
     assert eng.scheduler.admit_cap == eng.config.max_num_seqs, "a failure isolated to one request costs nobody"
 
 
+class _SmallMemory:
+    """A runner that runs out of memory on any step of more than `rows` rows, as a device does when
+    a batch is too big for it (no request is at fault)."""
+
+    def __init__(self, real, rows: int) -> None:
+        self.real, self.rows = real, rows
+        self.keys, self.values = real.keys, real.values
+
+    def step(self, batch):
+        if len(batch.work) > self.rows:
+            raise MemoryError(f"out of memory: {len(batch.work)} rows")
+        return self.real.step(batch)
+
+
+def test_a_step_too_big_for_memory_is_split_and_admissions_back_off_without_failing_anyone(model_dir, prompts,
+                                                                                         reference):
+    real = engine(model_dir)
+    eng = engine(model_dir, runner=_SmallMemory(real.runner, 5))
+    seqs = [eng.make_sequence(p, GREEDY, Collector()) for p in prompts[:12]]
+    eng.generate(seqs)
+    assert [s.output_ids for s in seqs] == reference[:12], "the halves give every row what one step would"
+    assert eng.stats.failures_isolated == 0 and eng.stats.oom_events >= 1
+    assert eng.scheduler.admit_cap <= 5, "admissions are capped below the size that failed"
+
+
 def test_an_aborted_request_stops_at_once_and_frees_its_cache(model_dir):
     eng = engine(model_dir)
     sink = Collector()

@@ -308,7 +308,7 @@ def engine_check(ctx: dict, model: str, dtype: str) -> list[str]:
 
 
 def _generate(core, prompts: list[str], max_tokens: int) -> list:
-    from batchstring.engine.sampling import SamplingParams
+    from batchstring.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     seqs = [core.make_sequence(p, params, lambda out: None) for p in prompts]
@@ -494,7 +494,7 @@ def _structured_rows(cores: dict, batch: int) -> list[str]:
     Free requests make as many tokens as the first constrained run's requests did on average."""
     import json
 
-    from batchstring.engine.sampling import parse_sampling_parameters
+    from batchstring.engine.sampling_params import parse_sampling_parameters
     from batchstring.loadtest.workload import extraction_schema
 
     rate = lambda **values: parse_sampling_parameters(json.dumps(values), 512, 16)  # noqa: E731

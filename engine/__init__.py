@@ -12,7 +12,7 @@ for CUDA graphs), `runner` (the exported step on ONNX Runtime or TorchScript, fe
 of export/contract.py), `speculation` (drafts proposed and verified), `structured_output` (a
 grammar's part in each step: masks, tokens fed, forced runs) over `grammar` (compiling grammars,
 computing masks), `randomness` (every random stream a sampled row draws from), `sequence` (a
-request's tokens and cache state), `output` (its text, stop strings and responses), `sampling`
+request's tokens and cache state), `output` (its text, stop strings and responses), `sampling_params`
 (its parameters), `memory` (the cache's size), `cores` (the CPUs this process may use), `faults`
 (test-only fault injection), `tokenizer`, `stats`, `config`, `errors`.
 `model_repository/llm/1/model.py` adapts the serving shell to Triton.

@@ -24,7 +24,7 @@ from batchstring.engine.block_manager import BlockManager
 from batchstring.engine.block_table import BlockTable, pair_carrier, single_span_blocks, span_blocks
 from batchstring.engine.config import EngineConfig
 from batchstring.engine.randomness import RandomStreams
-from batchstring.engine.sampling import SamplingParams
+from batchstring.engine.sampling_params import SamplingParams
 from batchstring.engine.sequence import Sequence
 from batchstring.engine.structured_output import step_masks
 from batchstring.export.contract import SamplingInputs, StepInputs

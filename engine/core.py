@@ -32,7 +32,7 @@ from batchstring.engine.output import OutputSink, OutputStream, RequestOutput, T
 from batchstring.engine.policy import policy_for
 from batchstring.engine.randomness import RandomStreams
 from batchstring.engine.runner import PagedCacheRunner, RuntimeSpec, build_runner
-from batchstring.engine.sampling import SamplingParams
+from batchstring.engine.sampling_params import SamplingParams
 from batchstring.engine.scheduler import Scheduler
 from batchstring.engine.sequence import Sequence
 from batchstring.engine.speculation import Speculator

@@ -7,7 +7,7 @@ per-step masks of a whole batch are computed in Rust (in parallel, outside the G
 host has the cores for it).
 
 Where the engine uses it (engine/structured_output.py): compiled at admission, on the caller's
-thread (bounded in size by engine/sampling.py and in work by llguidance's fuel limits, then a
+thread (bounded in size by engine/sampling_params.py and in work by llguidance's fuel limits, then a
 wall-clock check; cached by grammar text in a bounded LRU of compiled templates, each request
 getting a copy that shares the template's lexer caches; a grammar that does not compile, or admits
 no text at all, is refused with the field it came from); `fill_masks` each step; `advance` and
@@ -25,7 +25,7 @@ import numpy as np
 
 from batchstring.engine.cores import available_cores
 from batchstring.engine.errors import InvalidRequest
-from batchstring.engine.sampling import Guide
+from batchstring.engine.sampling_params import Guide
 
 COMPILE_SECONDS = 2.0  # a grammar that takes longer to compile (and check) than this is refused
 CACHE_ENTRIES = 512  # compiled grammars kept, least recently used first out

@@ -18,7 +18,7 @@ from batchstring.engine.block_manager import BlockManager
 from batchstring.engine.errors import is_out_of_memory
 from batchstring.engine.randomness import RandomStreams
 from batchstring.engine.runner import PagedCacheRunner, StepOutput
-from batchstring.engine.sampling import SamplingParams
+from batchstring.engine.sampling_params import SamplingParams
 from batchstring.engine.sequence import Sequence
 from batchstring.engine.stats import EngineStats
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from batchstring.engine.sampling import SamplingParams
+from batchstring.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # both import the sequence's module; a sequence only points at them
     from batchstring.engine.grammar import Constraint

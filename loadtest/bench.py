@@ -39,7 +39,7 @@ from tqdm import tqdm
 from batchstring.client import AsyncBatchClient
 from batchstring.engine.config import EngineConfig
 from batchstring.engine.core import EngineCore
-from batchstring.engine.sampling import SamplingParams
+from batchstring.engine.sampling_params import SamplingParams
 from batchstring.export.layout import MODEL_VERSION_DIR
 from batchstring.loadtest.workload import Item, mixed
 from batchstring.server.local import LocalServer

@@ -35,7 +35,7 @@ from batchstring.engine.batch import Work, build_step
 from batchstring.engine.config import EngineConfig
 from batchstring.engine.core import EngineCore
 from batchstring.engine.output import RequestOutput
-from batchstring.engine.sampling import SamplingParams
+from batchstring.engine.sampling_params import SamplingParams
 from batchstring.engine.sequence import Sequence
 from batchstring.engine.serving import ServingEngine
 from batchstring.export.layout import MODEL_VERSION_DIR

@@ -21,7 +21,7 @@ import numpy as np
 from batchstring.engine.config import EngineConfig
 from batchstring.engine.core import EngineCore
 from batchstring.engine.output import RequestOutput
-from batchstring.engine.sampling import SamplingParams
+from batchstring.engine.sampling_params import SamplingParams
 from batchstring.loadtest.workload import mixed
 
 MAX_TOKENS = 64

@@ -20,7 +20,7 @@ import numpy as np
 
 from batchstring.engine.config import EngineConfig
 from batchstring.engine.output import RequestOutput
-from batchstring.engine.sampling import SamplingParams
+from batchstring.engine.sampling_params import SamplingParams
 from batchstring.engine.serving import ServingEngine
 from batchstring.loadtest.workload import mixed
 

@@ -30,7 +30,7 @@ from batchstring.engine.block_manager import BlockManager
 from batchstring.engine.config import EngineConfig
 from batchstring.engine.core import EngineCore
 from batchstring.engine.randomness import RandomStreams
-from batchstring.engine.sampling import SamplingParams
+from batchstring.engine.sampling_params import SamplingParams
 from batchstring.engine.sequence import Sequence
 
 LONG_CONTEXT = 32768

@@ -14,7 +14,7 @@ import contextlib
 from dataclasses import dataclass
 
 from batchstring.engine.core import EngineCore
-from batchstring.engine.sampling import SamplingParams
+from batchstring.engine.sampling_params import SamplingParams
 
 MAX_BATCH = 16
 TIMEOUT_S = 0.050

@@ -36,7 +36,7 @@ from rich.table import Table
 
 from batchstring.engine.config import EngineConfig
 from batchstring.engine.output import RequestOutput
-from batchstring.engine.sampling import SamplingParams, parse_sampling_parameters
+from batchstring.engine.sampling_params import SamplingParams, parse_sampling_parameters
 from batchstring.engine.serving import ServingEngine
 from batchstring.export.layout import MODEL_VERSION_DIR
 from batchstring.loadtest.workload import extraction_schema, mixed

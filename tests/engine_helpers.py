@@ -9,7 +9,7 @@ from pathlib import Path
 from batchstring.engine.config import EngineConfig
 from batchstring.engine.core import EngineCore
 from batchstring.engine.output import RequestOutput
-from batchstring.engine.sampling import SamplingParams
+from batchstring.engine.sampling_params import SamplingParams
 from batchstring.engine.sequence import Sequence
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

@@ -111,7 +111,7 @@ def test_each_bad_input_gets_a_completion_or_a_clear_error(outcomes, index):
 
 def test_inputs_that_should_succeed_get_the_in_process_engines_completion(outcomes, model_dir):
     """The right completion, not only no error: the engine alone on the same text and parameters."""
-    from batchstring.engine.sampling import parse_sampling_parameters
+    from batchstring.engine.sampling_params import parse_sampling_parameters
     from tests.engine_helpers import engine
 
     eng = engine(model_dir)

@@ -24,7 +24,7 @@ import pytest
 from batchstring.client import BatchClient
 from batchstring.client.defaults import API_KEY_ENV
 from batchstring.engine.block_manager import BlockManager
-from batchstring.engine.sampling import SamplingParams
+from batchstring.engine.sampling_params import SamplingParams
 from batchstring.engine.sequence import Sequence
 from batchstring.frontdoor.batch_api.share import Admission
 from batchstring.frontdoor.batch_api.store import open_store

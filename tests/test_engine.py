@@ -13,7 +13,7 @@ import pytest
 from batchstring.engine.batch import sampling_inputs
 from batchstring.engine.errors import EngineBroken, InvalidRequest
 from batchstring.engine.randomness import RandomStreams
-from batchstring.engine.sampling import SamplingParams
+from batchstring.engine.sampling_params import SamplingParams
 from batchstring.engine.sequence import Status
 from tests.engine_helpers import GREEDY, Collector, alone, engine, interleave, varied_prompts
 

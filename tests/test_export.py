@@ -151,7 +151,7 @@ def test_a_bfloat16_export_records_its_dtype_the_checkpoints_eos_ids_and_samplin
 
     from batchstring.engine.config import EngineConfig
     from batchstring.engine.core import EngineCore
-    from batchstring.engine.sampling import SamplingParams
+    from batchstring.engine.sampling_params import SamplingParams
 
     source = tmp_path / "llama3-style"
     shutil.copytree(tiny_checkpoint, source)

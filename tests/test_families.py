@@ -201,7 +201,7 @@ def test_a_familys_export_quantizes_and_the_engine_decodes_what_its_step_does(fa
     import numpy as np
     import onnx
 
-    from batchstring.engine.sampling import SamplingParams
+    from batchstring.engine.sampling_params import SamplingParams
     from batchstring.export.exporter import onnx_step
     from batchstring.export.verify import greedy_with_step
     from tests.engine_helpers import engine
@@ -231,7 +231,7 @@ def test_blocks_outside_every_window_are_given_up_and_the_tokens_stay_hfs(family
     the window reaches; what it gives up is not read again: its tokens are still HF's."""
     from transformers import AutoModelForCausalLM
 
-    from batchstring.engine.sampling import SamplingParams
+    from batchstring.engine.sampling_params import SamplingParams
     from tests.engine_helpers import engine
 
     _, checkpoint, exported, params = family_export

@@ -25,7 +25,7 @@ from batchstring.engine.config import INPUT_BYTES_PER_TOKEN, EngineConfig
 from batchstring.engine.errors import InvalidRequest
 from batchstring.engine.randomness import RandomStreams
 from batchstring.engine.runner import DeviceTable
-from batchstring.engine.sampling import SamplingParams
+from batchstring.engine.sampling_params import SamplingParams
 from batchstring.engine.sequence import Sequence
 from batchstring.export.exporter import torch_arguments
 from tests.conftest import BATCHSTRING, start_server

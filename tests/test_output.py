@@ -7,7 +7,7 @@ import random
 import pytest
 
 from batchstring.engine.output import OutputStream
-from batchstring.engine.sampling import SamplingParams
+from batchstring.engine.sampling_params import SamplingParams
 from batchstring.engine.tokenizer import TextCodec
 
 

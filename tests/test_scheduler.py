@@ -13,7 +13,7 @@ import pytest
 from batchstring.engine.block_manager import BlockManager
 from batchstring.engine.config import EngineConfig
 from batchstring.engine.policy import policy_for
-from batchstring.engine.sampling import SamplingParams
+from batchstring.engine.sampling_params import SamplingParams
 from batchstring.engine.scheduler import Scheduler
 from batchstring.engine.sequence import Sequence, Status
 

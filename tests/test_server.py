@@ -169,7 +169,7 @@ def test_torchscript_runtime_serves_the_same_completions(torchscript_server, cli
 
 
 def test_a_seeded_sampled_request_is_the_same_alone_and_among_forty_others_through_triton(model_dir, server):
-    from batchstring.engine.sampling import SamplingParams
+    from batchstring.engine.sampling_params import SamplingParams
 
     sampling = {"temperature": 1.0, "top_p": 0.95, "seed": 4321}
     prompt = "def parse_header(line):\n"

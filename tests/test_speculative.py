@@ -17,7 +17,7 @@ import pytest
 
 from batchstring.engine.config import EngineConfig
 from batchstring.engine.errors import InvalidRequest
-from batchstring.engine.sampling import SamplingParams, parse_sampling_parameters
+from batchstring.engine.sampling_params import SamplingParams, parse_sampling_parameters
 from tests.conftest import metric_reaches, start_server
 from tests.engine_helpers import Collector, alone, engine, interleave, varied_prompts
 

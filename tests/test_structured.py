@@ -28,7 +28,7 @@ from batchstring.client import AsyncBatchClient, InvalidArgument
 from batchstring.engine.errors import InvalidRequest
 from batchstring.engine.grammar import only_tokens
 from batchstring.engine.runner import OnnxRunner, RuntimeSpec
-from batchstring.engine.sampling import SamplingParams, parse_sampling_parameters
+from batchstring.engine.sampling_params import SamplingParams, parse_sampling_parameters
 from batchstring.export.contract import FETCHED, Held, SamplingInputs
 from batchstring.server.stats import metrics
 from tests.conftest import metric_reaches
@@ -454,7 +454,7 @@ def test_masks_are_the_same_computed_in_turn_in_the_pool_and_by_llguidances_own_
     import llguidance.numpy
 
     from batchstring.engine import grammar
-    from batchstring.engine.sampling import Guide
+    from batchstring.engine.sampling_params import Guide
 
     spec = RuntimeSpec.load(model_dir / "runtime.json")
     compiler = grammar.GrammarCompiler(model_dir / "tokenizer.json", spec.vocab_size, tuple(spec.eos_token_ids))

@@ -37,7 +37,7 @@ from responder import Responder, error  # noqa: E402
 from batchstring.engine.config import EngineConfig  # noqa: E402
 from batchstring.engine.errors import InvalidRequest  # noqa: E402
 from batchstring.engine.faults import fault_kind  # noqa: E402
-from batchstring.engine.sampling import parse_sampling_parameters  # noqa: E402
+from batchstring.engine.sampling_params import parse_sampling_parameters  # noqa: E402
 from batchstring.engine.serving import ServingEngine  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL

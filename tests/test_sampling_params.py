@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from batchstring.engine.errors import InvalidRequest
-from batchstring.engine.sampling import SamplingParams, parse_sampling_parameters
+from batchstring.engine.sampling_params import SamplingParams, parse_sampling_parameters
 from batchstring.export.contract import SamplingInputs
 from batchstring.export.sampler import SamplingHead
 from batchstring.export.verify import NEAR_TIE, Sampling, reference_sample
@@ -152,7 +152,7 @@ def test_top_k_and_top_p_restrict_the_support_and_temperature_follows_the_distri
 
 
 def test_the_checkpoints_sampling_defaults_apply_only_to_what_a_request_leaves_out():
-    from batchstring.engine.sampling import parse_sampling_parameters
+    from batchstring.engine.sampling_params import parse_sampling_parameters
 
     defaults = {"temperature": 0.6, "top_p": 0.9, "top_k": 50}
     left_out = parse_sampling_parameters('{"max_tokens": 4}', 512, 16, defaults=defaults)

@@ -22,11 +22,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from batchstring.export.layout import SMALL_STEP_GRAPH
+from batchstring.export.layout import SHARED_WEIGHTS, SMALL_STEP_GRAPH
 
 GIB = 2**30
 INDEX_LIMIT = 2**31  # elements a 32-bit Gather offset can address
 ACTIVATION_MARGIN = 1.25  # workspace and fragmentation beyond the tensors counted
+SMALL_STEP_SESSION_BYTES = 256 << 20  # weights up to which the CPU gives small steps a session of their own
 
 
 def free_bytes(device: str) -> tuple[int, str]:
@@ -47,14 +48,41 @@ def _host_available() -> int:
     raise RuntimeError("kv_cache_tokens auto: /proc/meminfo has no MemAvailable; set kv_cache_tokens to a number")
 
 
+def small_step_graph(model_dir: Path, runtime: str, device: str, threads: int) -> str | None:
+    """The graph of the CPU's second ONNX Runtime session, for small steps (engine/runner.py
+    OnnxRunner), or None where there is none: only with `threads` 0, and only for weights up to
+    SMALL_STEP_SESSION_BYTES. The session saves operators, which is what a small model's step costs;
+    a real-size model's step reads its weights, so a second copy of them buys little
+    (docs/configuration.md, `threads`)."""
+    if runtime == "torchscript" or device != "cpu" or threads != 0:
+        return None
+    if _session_bytes(model_dir / "model.onnx") > SMALL_STEP_SESSION_BYTES:
+        return None
+    return SMALL_STEP_GRAPH if (model_dir / SMALL_STEP_GRAPH).exists() else "model.onnx"
+
+
 def weight_bytes(model_dir: Path, runtime: str, device: str = "cpu", threads: int = 1) -> int:
     """What the runtime will hold: the ONNX graph and its external data, or the TorchScript file;
-    on the CPU with `threads` 0, ONNX Runtime's second session too (engine/runner.py OnnxRunner)."""
-    graphs = ["model.pt"] if runtime == "torchscript" else ["model.onnx"]
-    if runtime != "torchscript" and device == "cpu" and threads == 0:
-        graphs.append(SMALL_STEP_GRAPH if (model_dir / SMALL_STEP_GRAPH).exists() else "model.onnx")
-    files = [model_dir / name for graph in graphs for name in (graph, f"{graph}.data")]  # with external weights
-    return sum(f.stat().st_size for f in files if f.exists())
+    and the small-step session's copy where there is one. A session holds its own copy even where
+    the two graphs read one file (export/shared_weights.py): each prepacks them for its kernels."""
+    if runtime == "torchscript":
+        return _size(model_dir / "model.pt")
+    small = small_step_graph(model_dir, runtime, device, threads)
+    return sum(_session_bytes(model_dir / graph) for graph in ("model.onnx", small) if graph)
+
+
+def _session_bytes(graph: Path) -> int:
+    return _size(graph) + _size(_weights_of(graph))
+
+
+def _weights_of(graph: Path) -> Path:
+    """The external data a graph reads: its own file, or the export's one shared file."""
+    own = graph.with_name(f"{graph.name}.data")
+    return own if own.exists() else graph.with_name(SHARED_WEIGHTS)
+
+
+def _size(path: Path) -> int:
+    return path.stat().st_size if path.exists() else 0
 
 
 def activation_bytes(spec, max_num_batched_tokens: int, max_num_seqs: int, max_past: int) -> int:

@@ -23,8 +23,8 @@ from batchstring.engine.batch import StepBatch
 from batchstring.engine.block_table import BlockTable
 from batchstring.engine.cores import available_cores
 from batchstring.engine.cuda_graph_padding import PaddedStep, pad_decode
+from batchstring.engine.memory import small_step_graph
 from batchstring.export.contract import FETCHED, INPUT_NAMES, OUTPUT_NAMES, Held, StepInputs, arguments
-from batchstring.export.layout import SMALL_STEP_GRAPH
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -248,16 +248,16 @@ class OnnxRunner(PagedCacheRunner):
     docs/benchmarks.md, one caller). With other work on the cores it degrades to about one
     thread's speed. 1 = one thread, nothing spins. Large steps (which want every core) run on the
     other session, whose workers sleep.
-    Both sessions hold the weights, so host memory holds them twice (engine/memory.py counts both);
-    a fixed `threads` keeps one session.
+    Both sessions hold the weights, so host memory holds them twice (engine/memory.py counts both):
+    a fixed `threads`, or weights past SMALL_STEP_SESSION_BYTES, keep one session.
     """
 
     def __init__(self, model_dir: Path, spec: RuntimeSpec, num_blocks: int, block_size: int, device: str,
                  threads: int, small_step_threads: int = 1) -> None:
         self.session = _ort_session(model_dir, device, threads)
         self.small_session = self.session
-        if threads == 0:
-            small = SMALL_STEP_GRAPH if (model_dir / SMALL_STEP_GRAPH).exists() else "model.onnx"
+        small = small_step_graph(model_dir, "onnxruntime", device, threads)
+        if small:
             workers = min(small_step_threads, available_cores())
             self.small_session = _ort_session(model_dir, device, workers, graph=small, spin=workers > 1)
         self.spec = spec

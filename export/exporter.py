@@ -23,7 +23,10 @@ from batchstring.export import artifacts
 from batchstring.export.contract import CACHES, Held, StepInputs
 from batchstring.export.family import features
 from batchstring.export.layout import DEFAULT_MODEL_DIR, HELDOUT_TEXT, MODEL_VERSION_DIR, SMALL_STEP_GRAPH
+from batchstring.export.prequantized import PreQuantized, load_dequantized
+from batchstring.export.prequantized import read as read_prequantized
 from batchstring.export.quantize import MAX_PERPLEXITY_RISE, Quantization, quantize_export
+from batchstring.export.shared_weights import share_weights, weight_bytes
 from batchstring.export.step import DecoderStep, check_supported
 from batchstring.export.verify import (
     HF_16BIT,
@@ -265,10 +268,12 @@ def export_model(
         raise SystemExit("--quantize measures the quantized graph with ONNX Runtime's CPU provider, which has no "
                          "bfloat16 kernels: export with --dtype float32 or float16")
     source = Path(source or DEFAULT_MODEL_DIR).resolve()
+    published = published_quantization(source, dtype, quantization)
+    quantization = quantization or published
     started = time.monotonic()
     stages = Stages(console, 5 if quantization else 4)
-    with stages.stage(f"load {source.name} in {dtype}"):
-        hf_model = load_checkpoint(source, dtype)
+    with stages.stage(f"load {source.name} in {dtype}" + (f", {published.scheme} dequantized" if published else "")):
+        hf_model = load_dequantized(source, published) if published else load_checkpoint(source, dtype)
         step, eos = decoder_step(hf_model, source)
     console.print(f"{hf_model.config.model_type}: {', '.join(features(hf_model)) or 'Llama layers'}")
     with tempfile.TemporaryDirectory(prefix="batchstring-export-") as tmp:
@@ -288,9 +293,12 @@ def export_model(
                                          codec.encode, eos, dtype, codec.known_ids())
             del truth
         max_diff = report(console, cases, greedy, dtype)
+        if share_weights(scratch):  # lossless: only where the bytes live changes
+            console.print(f"the two ONNX graphs share one weights file: {weight_bytes(scratch) / 2**30:.2f} GiB "
+                          "on disk")
         if quantization:
             with stages.stage(f"quantize the ONNX graphs to {quantization.scheme} and measure them"):
-                bound = MAX_PERPLEXITY_RISE[quantization.scheme] if max_rise is None else max_rise
+                bound = MAX_PERPLEXITY_RISE[quantization.rounding] if max_rise is None else max_rise
                 text = (heldout or HELDOUT_TEXT).read_text(encoding="utf-8")
                 measured = quantize_export(scratch, quantization, text, bound, force)
             console.print(f"{quantization.describe()}: {measured.describe()}; no TorchScript step (it would hold "
@@ -301,6 +309,22 @@ def export_model(
     console.print(f"[green]exported and verified[/] {source.name} ({dtype}{scheme}) -> {out_dir} in {seconds:.1f} s, "
                   f"peak memory {max(stages.peaks.values()):.2f} GiB")
     return ExportResult(out_dir, seconds, max_diff)
+
+
+def published_quantization(source: Path, dtype: str, quantization: Quantization | None) -> PreQuantized | None:
+    """The checkpoint's own quantization (GPTQ, AWQ: export/prequantized.py), checked against the
+    export's options; SystemExit saying what to change where they conflict."""
+    try:
+        published = read_prequantized(source) if (source / "config.json").is_file() else None
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    if published and quantization:
+        raise SystemExit(f"{source.name} is published quantized ({published.scheme}); its integers are kept as they "
+                         "are: drop --quantize")
+    if published and dtype != "float32":
+        raise SystemExit(f"{source.name} is published quantized ({published.scheme}): export it with --dtype float32 "
+                         "(its MatMulNBits kernels take float32 activations here)")
+    return published
 
 
 def install(scratch: Path, out_dir: Path) -> None:

@@ -26,8 +26,13 @@ import json
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from batchstring.export.perplexity import DEFAULT_CONTEXT, Perplexity
+from batchstring.export.shared_weights import share_weights, weight_bytes
+
+if TYPE_CHECKING:
+    from batchstring.export.prequantized import PreQuantized
 
 SCHEMES = {"int8": 8, "int4": 4}
 BLOCK_SIZE = 32
@@ -50,6 +55,14 @@ class Quantization:
     @property
     def bits(self) -> int:
         return SCHEMES[self.scheme]
+
+    @property
+    def rounding(self) -> str:
+        """The scheme whose perplexity bound applies (MAX_PERPLEXITY_RISE)."""
+        return self.scheme
+
+    def rewrite(self, graph: Path, vocab_rows: int) -> int:
+        return quantize_graph(graph, self, vocab_rows)
 
     def record(self) -> dict:
         return {"method": "MatMulNBits (ONNX Runtime, round to nearest)", "bits": self.bits, **asdict(self)}
@@ -122,12 +135,20 @@ def quantize_graph(path: Path, quantization: Quantization, vocab_rows: int) -> i
     quantized = quantizer.model.model
     if quantization.embedding:
         quantized = _quantize_embedding(quantized, quantization, vocab_rows)
+    save_graph(quantized, path)
+    return sum(1 for node in quantized.graph.node if node.op_type == "MatMulNBits")
+
+
+def save_graph(model, path: Path) -> None:
+    """A rewritten graph in place of the one it was read from, its weights inside it unless
+    protobuf's 2 GB limit forces them into a file beside it (as artifacts.write_onnx)."""
+    import onnx
+
     for stale in path.parent.glob(f"{path.name}.data"):
         stale.unlink()
-    large = quantized.ByteSize() > 1_800_000_000  # protobuf's 2 GB limit, as artifacts.write_onnx
-    onnx.save_model(quantized, str(path), save_as_external_data=large, all_tensors_to_one_file=True,
+    large = model.ByteSize() > 1_800_000_000
+    onnx.save_model(model, str(path), save_as_external_data=large, all_tensors_to_one_file=True,
                     location=f"{path.name}.data")
-    return sum(1 for node in quantized.graph.node if node.op_type == "MatMulNBits")
 
 
 def _quantize_embedding(model, quantization: Quantization, vocab_rows: int):
@@ -171,19 +192,20 @@ class Measured:
         return 100 * (self.after.value / self.before.value - 1)
 
     def describe(self) -> str:
-        return (f"{self.quantized} matrix multiplies quantized; ONNX graphs {self.bytes_before / 2**20:.1f} -> "
+        return (f"{self.quantized} matrix multiplies quantized; ONNX graphs on disk {self.bytes_before / 2**20:.1f} -> "
                 f"{self.bytes_after / 2**20:.1f} MiB ({self.bytes_after / self.bytes_before:.2f}x); perplexity on "
                 f"{self.after.tokens} held-out tokens {self.before.value:.3f} -> {self.after.value:.3f} "
                 f"({self.rise:+.2f}%); logits within {self.logits_error:.2e} of the unquantized graph; greedy "
                 f"identical to it for {self.greedy_same}/{self.prompts} prompts (up to its first near-tie)")
 
 
-def quantize_export(directory: Path, quantization: Quantization, text: str, bound: float,
+def quantize_export(directory: Path, quantization: Quantization | PreQuantized, text: str, bound: float,
                     force: bool = False) -> Measured:
     """Quantizes the unquantized export in `directory` in place and measures it against itself
     before (module docstring); raises QuantizationRefused past `bound` percent unless `force`,
     leaving the directory for the caller to discard. The TorchScript step is removed: it would
-    serve the unquantized weights."""
+    serve the unquantized weights. A checkpoint published quantized (export/prequantized.py) is
+    repacked and measured the same way."""
     import numpy as np
     from tqdm import tqdm
 
@@ -212,17 +234,21 @@ def quantize_export(directory: Path, quantization: Quantization, text: str, boun
         return score, window_logits(run, first, kv_shape), greedy
 
     before, reference_logits, references = measure(onnx_step(graphs[0], spec.dtype))
-    bytes_before = sum(graph_bytes(g) for g in graphs)
+    bytes_before = weight_bytes(directory)
     raw = json.loads((directory / "runtime.json").read_text())
-    counts = [quantize_graph(g, quantization, raw.get("checkpoint_vocab_size", spec.vocab_size)) for g in graphs]
+    # The small-step graph first: it may read its weights from model.onnx.data (export/shared_weights.py),
+    # which quantizing model.onnx rewrites
+    counts = [quantization.rewrite(g, raw.get("checkpoint_vocab_size", spec.vocab_size))
+              for g in reversed(graphs)][::-1]
+    share_weights(directory)
     (directory / "model.pt").unlink(missing_ok=True)
     quantized = onnx_step(graphs[0], spec.dtype)
     after = perplexity(quantized, ids, kv_shape, limit=DEFAULT_TOKENS, progress=progress(quantization.scheme))
     same = sum(ref.agrees(greedy_with_step(quantized, ref.prompt_ids, len(ref.tokens), kv_shape, eos, np.float32))
                for ref in references)
     error = float(np.abs(window_logits(quantized, first, kv_shape) - reference_logits).max())
-    measured = Measured(before, after, error, same, len(references), bytes_before,
-                        sum(graph_bytes(g) for g in graphs), counts[0])
+    measured = Measured(before, after, error, same, len(references), bytes_before, weight_bytes(directory),
+                        counts[0])
     raw["quantization"] = {**quantization.record(), "perplexity_rise_percent": round(measured.rise, 4)}
     (directory / "runtime.json").write_text(json.dumps(raw, indent=2) + "\n")
     if measured.rise > bound and not force:
@@ -237,6 +263,3 @@ class QuantizationRefused(RuntimeError):
     """A quantization costs more quality than its bound allows."""
 
 
-def graph_bytes(graph: Path) -> int:
-    """A graph's size on disk, with its external data."""
-    return sum(f.stat().st_size for f in (graph, graph.with_name(f"{graph.name}.data")) if f.exists())

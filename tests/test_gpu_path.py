@@ -15,7 +15,15 @@ import pytest
 import torch
 
 from batchstring.engine.config import AUTO, EngineConfig
-from batchstring.engine.memory import INDEX_LIMIT, activation_bytes, auto_plan, configured_plan, weight_bytes
+from batchstring.engine.memory import (
+    INDEX_LIMIT,
+    SMALL_STEP_SESSION_BYTES,
+    activation_bytes,
+    auto_plan,
+    configured_plan,
+    small_step_graph,
+    weight_bytes,
+)
 from batchstring.engine.runner import RuntimeSpec, check_providers, ort_element_type, ort_providers
 from batchstring.export import artifacts
 from batchstring.export.layout import REPO_ROOT
@@ -282,9 +290,14 @@ def test_the_weights_counted_are_those_each_runtime_loads(tmp_path):
     assert weight_bytes(tmp_path, "onnxruntime", "cpu", 0) == 10 + 20 + 5 + 7
     assert weight_bytes(tmp_path, "onnxruntime", "cpu", 4) == weight_bytes(tmp_path, "onnxruntime", "cuda:0") == 30
     assert weight_bytes(tmp_path, "torchscript", "cpu", 0) == 3
-    for name in ("model.small.onnx", "model.small.onnx.data"):
-        (tmp_path / name).unlink()
+    (tmp_path / "model.small.onnx.data").unlink()
+    assert weight_bytes(tmp_path, "onnxruntime", "cpu", 0) == 10 + 20 + 5 + 20, "one file of weights, two sessions"
+    (tmp_path / "model.small.onnx").unlink()
     assert weight_bytes(tmp_path, "onnxruntime", "cpu", 0) == 2 * 30, "a second session of model.onnx"
+    with open(tmp_path / "model.onnx.data", "r+b") as data:  # sparse: a real-size model's weights
+        data.truncate(SMALL_STEP_SESSION_BYTES + 1)
+    assert weight_bytes(tmp_path, "onnxruntime", "cpu", 0) == 10 + SMALL_STEP_SESSION_BYTES + 1, "one session"
+    assert small_step_graph(tmp_path, "onnxruntime", "cpu", 0) is None
 
 
 def test_the_structured_output_stage_says_what_to_install_where_llguidance_is_missing(monkeypatch):

@@ -1,0 +1,285 @@
+"""Checkpoints published already quantized (GPTQ, AWQ), served as the integers they hold.
+
+Such a checkpoint stores each linear layer's weight as `bits`-bit integers in groups of
+`group_size` input rows, each group with a scale and a zero point per output column (`qweight`,
+`qzeros`, `scales`, and for GPTQ `g_idx`, each input row's group), named in config.json's
+`quantization_config`. Rounding those weights again would lose what the publisher's calibration
+chose, so the export keeps the integers:
+
+1. the checkpoint is loaded with every such weight dequantized exactly, (q - zero) x scale in
+   float32 (a 4- or 8-bit integer times a float16 scale is exact there), and exported and verified
+   like any float32 checkpoint;
+2. each graph MatMul whose constant is one of those dequantized weights (found by its bytes) is
+   rewritten to ONNX Runtime's `MatMulNBits` holding the same integers, zero points and scales,
+   repacked from the checkpoint's layout to the kernel's (`repack`), so the kernel's own
+   dequantization, (code - zero_point) x scale, gives the same float32 weights bit for bit;
+3. the result is measured against the graph of step 1 (export/quantize.py `quantize_export`):
+   what differs is only the kernel's arithmetic (`accuracy_level` 4 multiplies int8 activations).
+
+Layouts (documented by AutoGPTQ and AutoAWQ, read by transformers):
+- GPTQ: `qweight` int32 [K / (32 / bits), N], 32 / bits values per int32 along K, low bits first;
+  `qzeros` int32 [G, N / (32 / bits)] packed along N the same way, stored minus one unless
+  `checkpoint_format` is "gptq_v2"; `scales` float16 [G, N]; `g_idx` int32 [K]. Act-order
+  (`desc_act`, rows of one group scattered over K) is refused: MatMulNBits' blocks are contiguous
+  along K.
+- AWQ (`version` "gemm"): `qweight` int32 [K, N / 8] and `qzeros` int32 [G, N / 8], 8 values per
+  int32 along N, in the interleaved order AWQ_ORDER; `scales` float16 [G, N]; 4 bits only.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+METHODS = ("gptq", "awq")
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ int32 holds column AWQ_ORDER[i] of its eight
+
+
+@dataclass(frozen=True)
+class Packed:
+    """One linear layer's integers in one layout: codes [K, N], zero points and scales [G, N]
+    (float32, exact from float16), and each input row's group [K]."""
+
+    codes: np.ndarray
+    zeros: np.ndarray
+    scales: np.ndarray
+    groups: np.ndarray
+
+    def weight(self) -> np.ndarray:
+        """The float32 weight, [N, K] (torch's Linear layout): (code - zero) x scale, exactly."""
+        levels = self.codes.astype(np.float32) - self.zeros[self.groups].astype(np.float32)
+        return np.ascontiguousarray((levels * self.scales[self.groups]).T)
+
+
+@dataclass(frozen=True)
+class PreQuantized:
+    """A checkpoint's quantization, as export/quantize.py's `quantize_export` rewrites and records it."""
+
+    method: str
+    bits: int
+    group_size: int
+    layers: dict[str, Packed]  # by module name (model.layers.0.self_attn.q_proj)
+    accuracy_level: int = 4
+
+    @property
+    def scheme(self) -> str:
+        return f"{self.method}-int{self.bits}"
+
+    @property
+    def rounding(self) -> str:
+        """The scheme of round-to-nearest quantization with the same bits (its perplexity bound)."""
+        return f"int{self.bits}"
+
+    def record(self) -> dict:
+        return {"method": f"{self.method.upper()} checkpoint repacked to MatMulNBits", "scheme": self.scheme,
+                "bits": self.bits, "block_size": self.group_size, "accuracy_level": self.accuracy_level}
+
+    def describe(self) -> str:
+        return f"{self.scheme} (the checkpoint's own integers, groups of {self.group_size}, " \
+               f"accuracy_level {self.accuracy_level})"
+
+    def rewrite(self, graph: Path, vocab_rows: int) -> int:
+        return repack(graph, self)
+
+
+def read(checkpoint: Path) -> PreQuantized | None:
+    """The checkpoint's quantization, or None for a float checkpoint; ValueError naming what is
+    not supported."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    spec = config.get("quantization_config")
+    if not spec:
+        return None
+    method, bits, group = spec.get("quant_method"), int(spec.get("bits", 0)), int(spec.get("group_size", 0))
+    if method not in METHODS:
+        raise ValueError(f"quantization_config.quant_method {method!r} is not supported; GPTQ and AWQ checkpoints "
+                         "are (or export the float checkpoint with --quantize int8|int4)")
+    if bits not in ((4, 8) if method == "gptq" else (4,)):
+        raise ValueError(f"{method} with {bits} bits is not supported; {'4 or 8' if method == 'gptq' else '4'} are")
+    if group < 16 or group & (group - 1):
+        raise ValueError(f"quantization_config.group_size {group} is not supported: MatMulNBits takes blocks of a "
+                         "power of two of at least 16 along K")
+    if method == "awq" and str(spec.get("version", "gemm")).lower() != "gemm":
+        raise ValueError(f"AWQ version {spec.get('version')!r} is not supported; the GEMM layout is")
+    tensors = _tensors(checkpoint)
+    unpack = _gptq if method == "gptq" else _awq
+    layers = {name[: -len(".qweight")]: unpack(tensors, name[: -len(".qweight")], bits, group, spec)
+              for name in tensors if name.endswith(".qweight")}
+    if not layers:
+        raise ValueError(f"{checkpoint} names {method} quantization but holds no .qweight tensors")
+    return PreQuantized(method, bits, group, layers)
+
+
+def load_dequantized(checkpoint: Path, pre: PreQuantized):
+    """The checkpoint as a float32 Hugging Face model, every quantized weight dequantized exactly."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    from batchstring.export.step import check_supported
+
+    config = AutoConfig.from_pretrained(checkpoint)
+    del config.quantization_config
+    check_supported(config)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    state = {name: torch.from_numpy(np.asarray(value, np.float32) if value.dtype == np.float16 else value)
+             for name, value in _tensors(checkpoint).items() if not _quantized_part(name, pre)}
+    state.update({f"{name}.weight": torch.from_numpy(packed.weight()) for name, packed in pre.layers.items()})
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if unexpected or set(missing) - tied:
+        raise ValueError(f"{checkpoint}: tensors the model does not have {sorted(unexpected)[:4]}, "
+                         f"weights missing {sorted(set(missing) - tied)[:4]}")
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    if (checkpoint / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(checkpoint)
+    return model.eval()
+
+
+def _quantized_part(name: str, pre: PreQuantized) -> bool:
+    module, _, part = name.rpartition(".")
+    return module in pre.layers and part in ("qweight", "qzeros", "scales", "g_idx", "bias")
+
+
+def _tensors(checkpoint: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    files = sorted(checkpoint.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{checkpoint} has no .safetensors weights")
+    return {name: value for path in files for name, value in load_file(path).items()}
+
+
+def _unpack(packed: np.ndarray, bits: int, axis: int, order: tuple[int, ...] | None = None) -> np.ndarray:
+    """int32 values holding 32 / bits codes each, low bits first, spread along `axis` (0: rows,
+    1: columns; `order`: the column each position holds)."""
+    per, mask = 32 // bits, (1 << bits) - 1
+    words = packed.view(np.uint32)
+    codes = (words[..., None] >> (np.arange(per, dtype=np.uint32) * bits)) & mask  # [R, C, per]
+    if order is not None:
+        codes = codes[..., np.argsort(order)]
+    if axis == 0:
+        codes = codes.transpose(0, 2, 1)  # [R, per, C]: the per codes of a word are consecutive rows
+        return codes.reshape(-1, packed.shape[1]).astype(np.uint8)
+    return codes.reshape(packed.shape[0], -1).astype(np.uint8)
+
+
+def _gptq(tensors: dict, name: str, bits: int, group: int, spec: dict) -> Packed:
+    codes = _unpack(tensors[f"{name}.qweight"], bits, axis=0)
+    zeros = _unpack(tensors[f"{name}.qzeros"], bits, axis=1)
+    if spec.get("checkpoint_format", "gptq") != "gptq_v2":
+        zeros = zeros + np.uint8(1)  # GPTQ v1 stores each zero point minus one
+        if zeros.max() >= 1 << bits:
+            raise ValueError(f"{name}: a GPTQ v1 zero point of {1 << bits} (stored {(1 << bits) - 1}) does not fit "
+                             f"{bits} bits in MatMulNBits")
+    rows = codes.shape[0]
+    groups = np.arange(rows) // group
+    g_idx = tensors.get(f"{name}.g_idx")
+    if g_idx is not None and not np.array_equal(g_idx, groups):
+        raise ValueError(f"{name}: act-order (desc_act) GPTQ scatters each group's rows over K, which "
+                         "MatMulNBits' contiguous blocks cannot hold; use a checkpoint quantized without desc_act")
+    return Packed(codes, zeros, tensors[f"{name}.scales"].astype(np.float32), groups)
+
+
+def _awq(tensors: dict, name: str, bits: int, group: int, spec: dict) -> Packed:
+    codes = _unpack(tensors[f"{name}.qweight"], bits, axis=1, order=AWQ_ORDER)
+    zeros = _unpack(tensors[f"{name}.qzeros"], bits, axis=1, order=AWQ_ORDER)
+    return Packed(codes, zeros, tensors[f"{name}.scales"].astype(np.float32), np.arange(codes.shape[0]) // group)
+
+
+def repack(graph: Path, pre: PreQuantized) -> int:
+    """Rewrites every MatMul of the graph at `graph` whose constant is made of the checkpoint's
+    dequantized weights to MatMulNBits over the same integers; returns how many. A constant is a
+    layer's weight transposed ([K, N]) or several side by side (the step fuses q/k/v and gate/up
+    into one projection, export/step.py), found column block by column block."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    from batchstring.export.quantize import save_graph
+
+    model = onnx.load(str(graph))
+    find = _Layers(pre)
+    constants = {t.name: t for t in model.graph.initializer}
+    nodes, replaced = list(model.graph.node), 0
+    for index, node in enumerate(nodes):
+        constant = constants.get(node.input[1]) if node.op_type == "MatMul" else None
+        packed = find.made_of(numpy_helper.to_array(constant)) if constant is not None else None
+        if packed is None:
+            continue
+        blob, scales, zeros = matmul_nbits(packed, pre.bits, pre.group_size)
+        stem = f"{node.input[1]}.{pre.scheme}"
+        model.graph.initializer.extend([numpy_helper.from_array(blob, f"{stem}.blob"),
+                                        numpy_helper.from_array(scales, f"{stem}.scales"),
+                                        numpy_helper.from_array(zeros, f"{stem}.zeros")])
+        rows, columns = packed.codes.shape
+        nodes[index] = helper.make_node(
+            "MatMulNBits", [node.input[0], f"{stem}.blob", f"{stem}.scales", f"{stem}.zeros"], list(node.output),
+            name=f"{node.name}.{pre.scheme}", domain="com.microsoft", K=rows, N=columns, bits=pre.bits,
+            block_size=pre.group_size, accuracy_level=pre.accuracy_level)
+        replaced += 1
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    used = _inputs(model.graph)
+    kept = [t for t in model.graph.initializer if t.name in used]  # the float weights replaced are not
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+    if not any(opset.domain == "com.microsoft" for opset in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    save_graph(model, graph)
+    return replaced
+
+
+def _inputs(graph) -> set[str]:
+    """Every name a node reads, in the graph and in the branches of its If nodes."""
+    names = set()
+    for node in graph.node:
+        names.update(node.input)
+        for attribute in node.attribute:
+            for branch in [attribute.g] * attribute.HasField("g") + list(attribute.graphs):
+                names |= _inputs(branch)
+    return names
+
+
+class _Layers:
+    """The checkpoint's layers by their dequantized weight's first column, to find them in a constant."""
+
+    def __init__(self, pre: PreQuantized) -> None:
+        self.by_column: dict[tuple[int, bytes], list[tuple[Packed, np.ndarray]]] = {}
+        for packed in pre.layers.values():
+            transposed = packed.weight().T  # [K, N], as the graph holds it
+            self.by_column.setdefault((transposed.shape[0], transposed[:, 0].tobytes()), []).append(
+                (packed, transposed))
+
+    def made_of(self, constant: np.ndarray) -> Packed | None:
+        """The layers side by side that `constant` [K, N] is exactly, as one Packed; else None."""
+        if constant.ndim != 2 or constant.dtype != np.float32:
+            return None
+        parts, offset = [], 0
+        while offset < constant.shape[1]:
+            candidates = self.by_column.get((constant.shape[0], constant[:, offset].tobytes()), [])
+            part = next((p for p, w in candidates if np.array_equal(constant[:, offset : offset + w.shape[1]], w)),
+                        None)
+            if part is None:
+                return None
+            parts.append(part)
+            offset += part.codes.shape[1]
+        return Packed(*(np.concatenate([getattr(p, f) for p in parts], axis=1) for f in ("codes", "zeros", "scales")),
+                      parts[0].groups)
+
+
+def matmul_nbits(packed: Packed, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """MatMulNBits' inputs for one layer: codes [N, blocks, block_size x bits / 8] packed low bits
+    first along K, scales [N x blocks], zero points [N x ceil(blocks x bits / 8)] packed likewise
+    along each column's blocks."""
+    rows, columns = packed.codes.shape
+    blocks = rows // block_size
+    per = 8 // bits
+    codes = packed.codes.T.reshape(columns, blocks, block_size // per, per).astype(np.uint8)
+    blob = np.bitwise_or.reduce(codes << (np.arange(per, dtype=np.uint8) * bits), axis=-1).astype(np.uint8)
+    zeros = packed.zeros.T.astype(np.uint8)  # [N, blocks]
+    padded = -(-blocks // per) * per
+    zeros = np.pad(zeros, ((0, 0), (0, padded - blocks))).reshape(columns, -1, per)
+    zero_bytes = np.bitwise_or.reduce(zeros << (np.arange(per, dtype=np.uint8) * bits), axis=-1).astype(np.uint8)
+    return blob, packed.scales.T.reshape(-1).astype(np.float32), zero_bytes.reshape(-1)

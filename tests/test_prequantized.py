@@ -1,0 +1,136 @@
+"""Checkpoints published quantized (GPTQ, AWQ) repacked to MatMulNBits over the same integers.
+
+The checkpoints are built here from the layouts AutoGPTQ and AutoAWQ document, packed by this
+file's own code from random integers, so that what export/prequantized.py unpacks is checked
+against the integers themselves, and what ONNX Runtime's kernel computes against (code - zero) x
+scale.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from batchstring.export.prequantized import matmul_nbits, read
+from tests.conftest import BATCHSTRING
+
+GROUP = 32
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+TARGETS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+           "mlp.up_proj", "mlp.down_proj")
+
+
+def pack_words(values: np.ndarray, order: tuple[int, ...] = tuple(range(8))) -> np.ndarray:
+    """[R, C] 4-bit values -> int32 [R, C / 8]: position j of each word (bits 4j..4j+3) holds
+    column order[j] of its eight."""
+    rows, columns = values.shape
+    grouped = values.reshape(rows, columns // 8, 8).astype(np.uint32)
+    words = np.zeros((rows, columns // 8), np.uint32)
+    for j, column in enumerate(order):
+        words |= grouped[:, :, column] << np.uint32(4 * j)
+    return words.view(np.int32)
+
+
+def quantized_layer(rng: np.random.Generator, rows: int, columns: int, method: str) -> tuple[dict, np.ndarray]:
+    """(the layer's tensors in `method`'s layout, its weight [columns, rows] as (code - zero) x scale)."""
+    groups = rows // GROUP
+    codes = rng.integers(0, 16, (rows, columns))
+    zeros = rng.integers(1, 16, (groups, columns)) if method == "awq" else np.full((groups, columns), 8)
+    scales = rng.uniform(0.002, 0.02, (groups, columns)).astype(np.float16)
+    weight = ((codes - zeros[np.arange(rows) // GROUP]) * scales[np.arange(rows) // GROUP].astype(np.float32)).T
+    if method == "awq":
+        tensors = {"qweight": pack_words(codes, AWQ_ORDER), "qzeros": pack_words(zeros, AWQ_ORDER)}
+    else:  # GPTQ: codes packed along K (a word holds 8 consecutive rows), zero points stored minus one
+        tensors = {"qweight": pack_words(codes.T).T.copy(), "qzeros": pack_words(zeros - 1),
+                   "g_idx": (np.arange(rows) // GROUP).astype(np.int32)}
+    return {**tensors, "scales": scales}, weight.astype(np.float32)
+
+
+def published(root: Path, model_dir: Path, method: str) -> tuple[Path, dict[str, np.ndarray]]:
+    """A tiny random Llama saved as `method` publishes it; returns it and each layer's weight."""
+    from safetensors.numpy import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         eos_token_id=0, bos_token_id=0)
+    model = LlamaForCausalLM(config)
+    rng = np.random.default_rng(1 if method == "awq" else 2)
+    tensors, weights = {}, {}
+    for name, value in model.state_dict().items():
+        module = name.removesuffix(".weight")
+        if module.split(".", 3)[-1] in TARGETS:
+            parts, weights[module] = quantized_layer(rng, value.shape[1], value.shape[0], method)
+            tensors.update({f"{module}.{part}": array for part, array in parts.items()})
+        elif name != "lm_head.weight" or not config.tie_word_embeddings:
+            tensors[name] = value.numpy()
+    out = root / method
+    out.mkdir()
+    save_file(tensors, str(out / "model.safetensors"))
+    quant = {"quant_method": method, "bits": 4, "group_size": GROUP}
+    quant.update({"version": "gemm", "zero_point": True} if method == "awq" else
+                 {"desc_act": False, "sym": True, "checkpoint_format": "gptq"})
+    (out / "config.json").write_text(json.dumps({**config.to_dict(), "architectures": ["LlamaForCausalLM"],
+                                                 "quantization_config": quant}))
+    PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json")).save_pretrained(out)
+    return out, weights
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_the_published_integers_unpack_and_repack_to_the_same_weights_exactly(tmp_path, model_dir, method):
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    checkpoint, weights = published(tmp_path, model_dir, method)
+    pre = read(checkpoint)
+    assert pre.scheme == f"{method}-int4" and set(pre.layers) == set(weights)
+    for name, weight in weights.items():
+        assert np.array_equal(pre.layers[name].weight(), weight), name
+    name = "model.layers.1.mlp.down_proj"  # K 128: four blocks, zero points of two bytes per column
+    packed = pre.layers[name]
+    rows, columns = packed.codes.shape
+    blob, scales, zeros = matmul_nbits(packed, 4, GROUP)
+    node = helper.make_node("MatMulNBits", ["A", "B", "scales", "zeros"], ["Y"], domain="com.microsoft", K=rows,
+                            N=columns, bits=4, block_size=GROUP, accuracy_level=0)
+    graph = helper.make_graph([node], "one", [helper.make_tensor_value_info("A", TensorProto.FLOAT, [None, rows])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [None, columns])],
+                              [numpy_helper.from_array(blob, "B"), numpy_helper.from_array(scales, "scales"),
+                               numpy_helper.from_array(zeros, "zeros")])
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (kernel,) = session.run(None, {"A": np.eye(rows, dtype=np.float32)})
+    assert np.array_equal(kernel, weights[name].T), "ONNX Runtime's dequantization gives the checkpoint's weights"
+    assert onnx.checker.check_model(model) is None
+
+
+def test_a_gptq_checkpoint_exports_with_its_integers_and_generates(tmp_path, model_dir):
+    from batchstring.engine.config import EngineConfig
+    from batchstring.engine.core import EngineCore
+    from batchstring.engine.sampling_params import SamplingParams
+
+    checkpoint, _ = published(tmp_path, model_dir, "gptq")
+    out = tmp_path / "export"
+    result = subprocess.run([*BATCHSTRING, "export", "--model", str(checkpoint), "--out", str(out)],
+                            capture_output=True, text=True, timeout=600)
+    said = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode == 0, said
+    assert "gptq-int4 (the checkpoint's own integers, groups of 32" in said and "8 matrix multiplies" in said
+    record = json.loads((out / "runtime.json").read_text())["quantization"]
+    assert record["scheme"] == "gptq-int4" and record["block_size"] == GROUP
+    assert not (out / "model.pt").exists()
+    eng = EngineCore(EngineConfig(model_dir=out))
+    seq = eng.make_sequence("def f(x):", SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                            lambda o: None)
+    eng.generate([seq])
+    assert len(seq.output_ids) == 8
+    refused = subprocess.run([*BATCHSTRING, "export", "--model", str(checkpoint), "--out", str(tmp_path / "x"),
+                              "--quantize", "int8"], capture_output=True, text=True, timeout=600)
+    assert refused.returncode != 0 and "published quantized (gptq-int4)" in refused.stderr + refused.stdout

@@ -26,8 +26,9 @@ limit and each written to results/gpu-check/report.md and report.json as soon as
 
 `--device cpu --quick` runs the same stages on the CPU with tiny shapes and few tokens (`make
 test` runs it). Tier 2, `--full`, adds what needs a GPU host with an index and `make install`:
-ONNX Runtime's CUDA provider (the `gpu` extra), the ONNX step on the device, and tritonserver
-serving the GPU config. Exit status: 0 all passed, 1 a check failed, 2 no GPU.
+ONNX Runtime's CUDA provider (the `gpu` extra), the ONNX step on the device, its int8 and int4
+quantizations beside it (greedy tokens and time per step, taking turns), and tritonserver serving
+the GPU config. Exit status: 0 all passed, 1 a check failed, 2 no GPU.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ FULL_BUDGET_SECONDS = 1500
 SHIPPED = "shipped model"
 SYNTHETIC = "synthetic Llama-3.2-1B shape"
 DTYPES = ("float16", "bfloat16")
+QUANTIZED_ROUNDS = 3  # runs of each step, taking turns, in the quantized stage
 
 
 class CheckFailed(RuntimeError):
@@ -625,6 +627,67 @@ def onnx_on_device(ctx: dict) -> list[str]:
     return [f"greedy 32 tokens, ONNX Runtime (CUDA) vs TorchScript on {ctx['scope'].device}: {same}/16 identical"]
 
 
+def quantized_on_device(ctx: dict) -> list[str]:
+    """int8 and int4 exports of tier 2's ONNX step (weight-only MatMulNBits, export/quantize.py),
+    each run on the device beside the unquantized step: greedy tokens against its, and the time
+    per step, the three taking turns for `QUANTIZED_ROUNDS` rounds."""
+    from batchstring.export.layout import HELDOUT_TEXT
+    from batchstring.export.quantize import Quantization, quantize_export
+
+    scope, source = ctx["scope"], Path(ctx["repository"]) / "llm" / "1"
+    dtype = json.loads((source / "runtime.json").read_text())["dtype"]
+    exports, lines = {dtype: source}, []
+    for scheme in ("int8", "int4"):
+        target = Path(ctx["scratch"]) / f"quantized-{scheme}"
+        target.mkdir(exist_ok=True)
+        for path in source.iterdir():
+            if path.is_file() and path.suffix != ".py" and path.name != "model.pt":
+                shutil.copyfile(path, target / path.name)
+        measured = quantize_export(target, Quantization(scheme), HELDOUT_TEXT.read_text(encoding="utf-8"), 100.0,
+                                   force=True)
+        exports[scheme] = target
+        lines.append(f"{scheme}: {measured.describe()}")
+    cores = {name: _timed_core(directory, "onnxruntime", scope) for name, directory in exports.items()}
+    prompts = _prompts(max(scope.batches))
+    tokens: dict[str, list] = {}
+    seconds: dict[str, list[float]] = {name: [] for name in cores}
+    for _ in range(QUANTIZED_ROUNDS):
+        for name, (core, runner) in cores.items():
+            runner.reset()
+            steps = core.stats.steps
+            tokens[name] = [s.output_ids for s in _generate(core, prompts, scope.max_tokens)]
+            seconds[name].append(runner.wall / (core.stats.steps - steps))
+    lines += [f"| step | greedy same as {dtype} | runner ms/step (median of {QUANTIZED_ROUNDS}) | vs {dtype} |",
+              "|---|---|---|---|"]
+    base = sorted(seconds[dtype])[QUANTIZED_ROUNDS // 2]
+    for name in cores:
+        same = sum(a == b for a, b in zip(tokens[name], tokens[dtype]))
+        median = sorted(seconds[name])[QUANTIZED_ROUNDS // 2]
+        lines.append(f"| {name} | {same}/{len(prompts)} | {median * 1e3:.2f} | {median / base:.2f}x |")
+        if same == 0:
+            raise CheckFailed(f"{name} agrees with the {dtype} step on no greedy completion on {scope.device}")
+    del cores
+    _free_device(scope.device)
+    return lines
+
+
+def _timed_core(model_dir: Path, runtime: str, scope: Scope) -> tuple:
+    """An engine on the device whose runner times each step, its cache a fixed size."""
+    from batchstring.engine.config import EngineConfig
+    from batchstring.engine.core import EngineCore
+    from batchstring.engine.memory import plan_cache
+    from batchstring.engine.runner import RuntimeSpec, build_runner
+
+    config = EngineConfig(model_dir=model_dir, runtime=runtime, device=scope.device,
+                          kv_cache_tokens=4096 if scope.quick else 65536, max_num_seqs=max(scope.batches))
+    spec = RuntimeSpec.load(model_dir / "runtime.json")
+    plan = plan_cache(config, spec, model_dir)
+    runner = TimedRunner(build_runner(runtime, model_dir, spec, -(-plan.tokens // config.block_size),
+                                      config.block_size, scope.device, 0, plan.arena_bytes),
+                         scope.device.startswith("cuda"))
+    return EngineCore(dataclasses.replace(config, kv_cache_tokens=plan.tokens), runner), runner
+
+
 def serving(ctx: dict) -> list[str]:
     import asyncio
 
@@ -666,6 +729,7 @@ def stages(scope: Scope, full: bool) -> list[Stage]:
         found += [Stage("tier 2: onnxruntime CUDA provider", 30, onnxruntime_cuda),
                   Stage("tier 2: export float16 (ONNX and TorchScript)", 300, onnx_export),
                   Stage(f"tier 2: ONNX Runtime on {scope.device}", 120, onnx_on_device),
+                  Stage(f"tier 2: int8 and int4 weights on {scope.device}", 240, quantized_on_device),
                   Stage("tier 2: tritonserver, gpu config", 300, serving)]
     return found
 

@@ -312,3 +312,23 @@ def test_the_structured_output_stage_says_what_to_install_where_llguidance_is_mi
     pin = next(d for d in tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
                if d.startswith("llguidance=="))
     assert lines[0].startswith("not measured") and f"pip install {pin}`" in lines[0]
+
+
+def test_the_quantized_stage_compares_int8_and_int4_with_the_step_they_came_from(model_dir, tmp_path):
+    """Tier 2's quantized stage, on the CPU with the float32 export: both schemes quantized and
+    measured, each step's greedy tokens and time per step beside the unquantized one's."""
+    import shutil
+
+    from batchstring.cli.gpu_check import Scope, quantized_on_device
+
+    version = tmp_path / "repository" / "llm" / "1"
+    version.mkdir(parents=True)
+    for name in ("model.onnx", "model.small.onnx", "runtime.json", "tokenizer.json"):
+        shutil.copyfile(model_dir / name, version / name)
+    lines = quantized_on_device({"scope": Scope("cpu", True), "repository": tmp_path / "repository",
+                                 "scratch": tmp_path})
+    rows = {cells[0]: cells for cells in (line.strip("| ").split(" | ") for line in lines[2:] if line.startswith("| "))}
+    assert set(rows) >= {"float32", "int8", "int4"}, lines
+    assert rows["float32"][1] == "4/4" and rows["float32"][3] == "1.00x"
+    assert all(int(rows[scheme][1].split("/")[0]) > 0 for scheme in ("int8", "int4"))
+    assert lines[0].startswith("int8: ") and "matrix multiplies quantized" in lines[0]

@@ -19,9 +19,10 @@ chose, so the export keeps the integers:
 Layouts (documented by AutoGPTQ and AutoAWQ, read by transformers):
 - GPTQ: `qweight` int32 [K / (32 / bits), N], 32 / bits values per int32 along K, low bits first;
   `qzeros` int32 [G, N / (32 / bits)] packed along N the same way, stored minus one unless
-  `checkpoint_format` is "gptq_v2"; `scales` float16 [G, N]; `g_idx` int32 [K]. Act-order
-  (`desc_act`, rows of one group scattered over K) is refused: MatMulNBits' blocks are contiguous
-  along K.
+  `checkpoint_format` is "gptq_v2"; `scales` float16 [G, N]; `g_idx` int32 [K]. With act-order
+  (`desc_act`) a group's rows are scattered over K, while MatMulNBits' blocks are contiguous: the
+  rows are sorted by group and the activations' K gathered in the same order before the kernel
+  (x[:, p] @ W[p, :] = x @ W, exactly).
 - AWQ (`version` "gemm"): `qweight` int32 [K, N / 8] and `qzeros` int32 [G, N / 8], 8 values per
   int32 along N, in the interleaved order AWQ_ORDER; `scales` float16 [G, N]; 4 bits only.
 """
@@ -47,6 +48,13 @@ class Packed:
     zeros: np.ndarray
     scales: np.ndarray
     groups: np.ndarray
+
+    @property
+    def order(self) -> np.ndarray | None:
+        """The rows sorted by group, where act-order scattered them (None: already in order)."""
+        if np.all(self.groups[1:] >= self.groups[:-1]):
+            return None
+        return np.argsort(self.groups, kind="stable")
 
     def weight(self) -> np.ndarray:
         """The float32 weight, [N, K] (torch's Linear layout): (code - zero) x scale, exactly."""
@@ -174,12 +182,11 @@ def _gptq(tensors: dict, name: str, bits: int, group: int, spec: dict) -> Packed
         if zeros.max() >= 1 << bits:
             raise ValueError(f"{name}: a GPTQ v1 zero point of {1 << bits} (stored {(1 << bits) - 1}) does not fit "
                              f"{bits} bits in MatMulNBits")
-    rows = codes.shape[0]
-    groups = np.arange(rows) // group
-    g_idx = tensors.get(f"{name}.g_idx")
-    if g_idx is not None and not np.array_equal(g_idx, groups):
-        raise ValueError(f"{name}: act-order (desc_act) GPTQ scatters each group's rows over K, which "
-                         "MatMulNBits' contiguous blocks cannot hold; use a checkpoint quantized without desc_act")
+    contiguous = np.arange(codes.shape[0]) // group
+    groups = np.asarray(tensors.get(f"{name}.g_idx", contiguous), np.int64)
+    if not np.array_equal(np.sort(groups), contiguous):
+        raise ValueError(f"{name}: g_idx does not give each group {group} rows (group_size), so its groups cannot "
+                         "become MatMulNBits blocks")
     return Packed(codes, zeros, tensors[f"{name}.scales"].astype(np.float32), groups)
 
 
@@ -202,22 +209,29 @@ def repack(graph: Path, pre: PreQuantized) -> int:
     model = onnx.load(str(graph))
     find = _Layers(pre)
     constants = {t.name: t for t in model.graph.initializer}
-    nodes, replaced = list(model.graph.node), 0
-    for index, node in enumerate(nodes):
+    nodes, replaced = [], 0
+    for node in model.graph.node:
         constant = constants.get(node.input[1]) if node.op_type == "MatMul" else None
         packed = find.made_of(numpy_helper.to_array(constant)) if constant is not None else None
         if packed is None:
+            nodes.append(node)
             continue
         blob, scales, zeros = matmul_nbits(packed, pre.bits, pre.group_size)
         stem = f"{node.input[1]}.{pre.scheme}"
         model.graph.initializer.extend([numpy_helper.from_array(blob, f"{stem}.blob"),
                                         numpy_helper.from_array(scales, f"{stem}.scales"),
                                         numpy_helper.from_array(zeros, f"{stem}.zeros")])
+        activations, gather = node.input[0], []
+        if packed.order is not None:  # act-order: K gathered in the rows' sorted order
+            model.graph.initializer.append(numpy_helper.from_array(packed.order, f"{stem}.order"))
+            activations = f"{stem}.gathered"
+            gather = [helper.make_node("Gather", [node.input[0], f"{stem}.order"], [activations],
+                                       name=f"{node.name}.{pre.scheme}.order", axis=-1)]
         rows, columns = packed.codes.shape
-        nodes[index] = helper.make_node(
-            "MatMulNBits", [node.input[0], f"{stem}.blob", f"{stem}.scales", f"{stem}.zeros"], list(node.output),
+        nodes += [*gather, helper.make_node(
+            "MatMulNBits", [activations, f"{stem}.blob", f"{stem}.scales", f"{stem}.zeros"], list(node.output),
             name=f"{node.name}.{pre.scheme}", domain="com.microsoft", K=rows, N=columns, bits=pre.bits,
-            block_size=pre.group_size, accuracy_level=pre.accuracy_level)
+            block_size=pre.group_size, accuracy_level=pre.accuracy_level)]
         replaced += 1
     del model.graph.node[:]
     model.graph.node.extend(nodes)
@@ -265,6 +279,9 @@ class _Layers:
                 return None
             parts.append(part)
             offset += part.codes.shape[1]
+        if any(not np.array_equal(p.groups, parts[0].groups) for p in parts):
+            raise ValueError("layers fused into one projection (q/k/v or gate/up) have different act-order row "
+                             "orders (g_idx); their one input cannot be gathered in both")
         return Packed(*(np.concatenate([getattr(p, f) for p in parts], axis=1) for f in ("codes", "zeros", "scales")),
                       parts[0].groups)
 
@@ -276,7 +293,8 @@ def matmul_nbits(packed: Packed, bits: int, block_size: int) -> tuple[np.ndarray
     rows, columns = packed.codes.shape
     blocks = rows // block_size
     per = 8 // bits
-    codes = packed.codes.T.reshape(columns, blocks, block_size // per, per).astype(np.uint8)
+    ordered = packed.codes if packed.order is None else packed.codes[packed.order]
+    codes = ordered.T.reshape(columns, blocks, block_size // per, per).astype(np.uint8)
     blob = np.bitwise_or.reduce(codes << (np.arange(per, dtype=np.uint8) * bits), axis=-1).astype(np.uint8)
     zeros = packed.zeros.T.astype(np.uint8)  # [N, blocks]
     padded = -(-blocks // per) * per

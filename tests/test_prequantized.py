@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from batchstring.export.prequantized import matmul_nbits, read
+from batchstring.export.prequantized import read, repack
 from tests.conftest import BATCHSTRING
 
 GROUP = 32
@@ -37,17 +37,22 @@ def pack_words(values: np.ndarray, order: tuple[int, ...] = tuple(range(8))) -> 
 
 
 def quantized_layer(rng: np.random.Generator, rows: int, columns: int, method: str) -> tuple[dict, np.ndarray]:
-    """(the layer's tensors in `method`'s layout, its weight [columns, rows] as (code - zero) x scale)."""
+    """(the layer's tensors in `method`'s layout, its weight [columns, rows] as (code - zero) x scale).
+    "gptq-act-order": each row's group (g_idx) a fixed shuffle per K, as GPTQ's desc_act leaves
+    layers that share an input."""
     groups = rows // GROUP
+    g_idx = np.arange(rows) // GROUP
+    if method == "gptq-act-order":
+        g_idx = np.random.default_rng(rows).permutation(g_idx)
     codes = rng.integers(0, 16, (rows, columns))
-    zeros = rng.integers(1, 16, (groups, columns)) if method == "awq" else np.full((groups, columns), 8)
+    zeros = rng.integers(1, 16, (groups, columns))
     scales = rng.uniform(0.002, 0.02, (groups, columns)).astype(np.float16)
-    weight = ((codes - zeros[np.arange(rows) // GROUP]) * scales[np.arange(rows) // GROUP].astype(np.float32)).T
+    weight = ((codes - zeros[g_idx]) * scales[g_idx].astype(np.float32)).T
     if method == "awq":
         tensors = {"qweight": pack_words(codes, AWQ_ORDER), "qzeros": pack_words(zeros, AWQ_ORDER)}
     else:  # GPTQ: codes packed along K (a word holds 8 consecutive rows), zero points stored minus one
         tensors = {"qweight": pack_words(codes.T).T.copy(), "qzeros": pack_words(zeros - 1),
-                   "g_idx": (np.arange(rows) // GROUP).astype(np.int32)}
+                   "g_idx": g_idx.astype(np.int32)}
     return {**tensors, "scales": scales}, weight.astype(np.float32)
 
 
@@ -73,42 +78,46 @@ def published(root: Path, model_dir: Path, method: str) -> tuple[Path, dict[str,
     out = root / method
     out.mkdir()
     save_file(tensors, str(out / "model.safetensors"))
-    quant = {"quant_method": method, "bits": 4, "group_size": GROUP}
+    quant = {"quant_method": method.split("-")[0], "bits": 4, "group_size": GROUP}
     quant.update({"version": "gemm", "zero_point": True} if method == "awq" else
-                 {"desc_act": False, "sym": True, "checkpoint_format": "gptq"})
+                 {"desc_act": method == "gptq-act-order", "sym": False, "checkpoint_format": "gptq"})
     (out / "config.json").write_text(json.dumps({**config.to_dict(), "architectures": ["LlamaForCausalLM"],
                                                  "quantization_config": quant}))
     PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json")).save_pretrained(out)
     return out, weights
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq"])
+@pytest.mark.parametrize("method", ["gptq", "gptq-act-order", "awq"])
 def test_the_published_integers_unpack_and_repack_to_the_same_weights_exactly(tmp_path, model_dir, method):
+    """Unpacked, each layer's weight is (code - zero) x scale of the integers packed; repacked into a
+    graph of one MatMul, ONNX Runtime's kernel multiplies the identity into those same weights."""
+    import dataclasses
+
     import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
     checkpoint, weights = published(tmp_path, model_dir, method)
     pre = read(checkpoint)
-    assert pre.scheme == f"{method}-int4" and set(pre.layers) == set(weights)
+    assert pre.scheme == f"{method.split('-')[0]}-int4" and set(pre.layers) == set(weights)
     for name, weight in weights.items():
         assert np.array_equal(pre.layers[name].weight(), weight), name
     name = "model.layers.1.mlp.down_proj"  # K 128: four blocks, zero points of two bytes per column
-    packed = pre.layers[name]
-    rows, columns = packed.codes.shape
-    blob, scales, zeros = matmul_nbits(packed, 4, GROUP)
-    node = helper.make_node("MatMulNBits", ["A", "B", "scales", "zeros"], ["Y"], domain="com.microsoft", K=rows,
-                            N=columns, bits=4, block_size=GROUP, accuracy_level=0)
-    graph = helper.make_graph([node], "one", [helper.make_tensor_value_info("A", TensorProto.FLOAT, [None, rows])],
+    assert (pre.layers[name].order is not None) == (method == "gptq-act-order")
+    rows, columns = weights[name].shape[1], weights[name].shape[0]
+    graph = helper.make_graph([helper.make_node("MatMul", ["A", "W"], ["Y"], name="down")], "one",
+                              [helper.make_tensor_value_info("A", TensorProto.FLOAT, [None, rows])],
                               [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [None, columns])],
-                              [numpy_helper.from_array(blob, "B"), numpy_helper.from_array(scales, "scales"),
-                               numpy_helper.from_array(zeros, "zeros")])
-    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
-    model = helper.make_model(graph, opset_imports=opsets)
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+                              [numpy_helper.from_array(np.ascontiguousarray(weights[name].T), "W")])
+    path = tmp_path / "one.onnx"
+    path.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
+    exact = dataclasses.replace(pre, layers={name: pre.layers[name]}, accuracy_level=0)
+    assert repack(path, exact) == 1
+    gathered = {"Gather"} if method == "gptq-act-order" else set()
+    assert {node.op_type for node in onnx.load(str(path)).graph.node} == {"MatMulNBits"} | gathered
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     (kernel,) = session.run(None, {"A": np.eye(rows, dtype=np.float32)})
     assert np.array_equal(kernel, weights[name].T), "ONNX Runtime's dequantization gives the checkpoint's weights"
-    assert onnx.checker.check_model(model) is None
 
 
 def test_a_gptq_checkpoint_exports_with_its_integers_and_generates(tmp_path, model_dir):
@@ -116,7 +125,7 @@ def test_a_gptq_checkpoint_exports_with_its_integers_and_generates(tmp_path, mod
     from batchstring.engine.core import EngineCore
     from batchstring.engine.sampling_params import SamplingParams
 
-    checkpoint, _ = published(tmp_path, model_dir, "gptq")
+    checkpoint, _ = published(tmp_path, model_dir, "gptq-act-order")
     out = tmp_path / "export"
     result = subprocess.run([*BATCHSTRING, "export", "--model", str(checkpoint), "--out", str(out)],
                             capture_output=True, text=True, timeout=600)

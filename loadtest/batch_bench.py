@@ -184,7 +184,7 @@ def table(f: dict, args: argparse.Namespace) -> Table:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", choices=("cpu", "gpu"), default="cpu")
-    p.add_argument("--lines", type=int, default=1000, help="batch size in lines (the issue's figure: 20000)")
+    p.add_argument("--lines", type=int, default=1000, help="batch size in lines (a large job: 20000)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per answer, batch and interactive alike")
     p.add_argument("--callers", type=int, default=4, help="interactive closed-loop callers")
     p.add_argument("--seconds", type=float, default=10.0, help="each window of interactive calls, alone and shared")

@@ -48,7 +48,7 @@ REFERENCE = "llama.cpp"
 # llama.cpp's own prompt lookup in the build this was measured with (`llama-server --help`): the last
 # 3 tokens looked up, 4 drafted, as many drafts as ours (its defaults, 12 and 48, suit long verbatim
 # repeats). Ours looks up the last 8 tokens and falls back to shorter matches; llama.cpp's
-# ngram-simple matches exactly n, and n = 8 made it slower (0.87x against 0.96x of itself without).
+# ngram-simple matches exactly n, and n = 8 made it slower than n = 3 (docs/benchmarks.md, one caller).
 LLAMA_SPEC_ARGS = "--spec-type ngram-simple --spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m 4"
 
 

@@ -261,6 +261,7 @@ class EngineCore:
         self.stats.record_finish(reason)
         if error is None and self.policy.defers(seq, final, self.scheduler.running):
             return  # static batching: answered with the rest of its batch
+        self.policy.forget(seq)
         self.scheduler.retire(seq)
         seq.output.deliver(final)
 

@@ -40,6 +40,10 @@ class ContinuousBatching:
         """A padding row's held answer, now that it is delivered."""
         return self.deferred.pop(seq)
 
+    def forget(self, seq: Sequence) -> None:
+        """A row answered otherwise (a padding row whose step failed gets that error instead)."""
+        self.deferred.pop(seq, None)
+
 
 class StaticBatching(ContinuousBatching):
     """Request-level batching: one Triton batch (group) at a time, run to completion."""

@@ -216,6 +216,10 @@ def test_tritonservers_own_admin_apis_want_the_key_and_refuse_model_control(serv
 
 def test_every_readme_metric_moves_as_the_workload_says(server, client):
     url = server.metrics_url
+    # Work an earlier test left running would finish during this one: start from an idle engine,
+    # and from a snapshot published after it went idle (twice a second).
+    assert settle(url, "batchstring_running_sequences", 0) == 0
+    time.sleep(0.6)
     before, reasons = metrics(url), finished_by_reason(url)
     peak: dict[str, float] = {}
     stop = threading.Event()
@@ -247,7 +251,10 @@ def test_every_readme_metric_moves_as_the_workload_says(server, client):
         return after[name] - before.get(name, 0.0)
 
     moved = {reason: reasons_after.get(reason, 0) - reasons.get(reason, 0) for reason in reasons_after}
-    assert moved["length"] == 80 and moved["stop"] == 1 and moved["error"] == 1 and moved["abort"] >= 1, moved
+    # A late item ends by its deadline ("abort") unless the machine is fast enough to finish it first.
+    late_finished = moved["length"] - 80
+    assert 0 <= late_finished < 8 and 1 <= moved["abort"] <= 8 - late_finished, moved
+    assert moved["stop"] == 1 and moved["error"] == 1, moved
     assert stopped[0].finish_reason == "stop" and not isinstance(poisoned[0], str)
     assert delta("batchstring_generated_tokens_total") >= 80 * 40
     assert delta("batchstring_prompt_tokens_total") >= sum(c.prompt_tokens for c in lengths)

@@ -176,6 +176,7 @@ def export_and_verify(ctx: dict, model: str, dtype: str) -> list[str]:
     step, eos = decoder_step(hf_16bit, source)
     artifacts.write_torchscript(step, out / "model.pt")
     write_model_files(step, hf_16bit, eos, source, out)
+    sites = step.adapter_sites()
     del step
     pinned = artifacts.device_constants(out / "model.pt")
     if pinned:
@@ -190,7 +191,7 @@ def export_and_verify(ctx: dict, model: str, dtype: str) -> list[str]:
     device = scope.device
     truth = load_checkpoint(source, "float32").to(device)
     hf_16bit = hf_16bit.to(device)
-    runtimes = {"torchscript": torchscript_step(out / "model.pt", getattr(torch, dtype), device)}
+    runtimes = {"torchscript": torchscript_step(out / "model.pt", getattr(torch, dtype), sites, device)}
     cases = verify_logits(truth, runtimes, eos, relative=True, hf_16bit=hf_16bit, cases=scope.cases)
     del truth
     prompts, tokens = scope.greedy

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
         DeadlineExceeded,
         Internal,
         InvalidArgument,
+        NotFound,
         StreamBroken,
         TooLarge,
         Unauthenticated,
@@ -35,6 +36,7 @@ _EXPORTS = {
     "BatchstringError": "errors",
     "Internal": "errors",
     "InvalidArgument": "errors",
+    "NotFound": "errors",
     "TooLarge": "errors",
     "Unauthenticated": "errors",
     "Unavailable": "errors",
@@ -43,8 +45,8 @@ _EXPORTS = {
     "batchstring": "sync",
 }
 __all__ = ["AsyncBatchClient", "BatchClient", "BatchError", "BatchstringError", "Completion", "DeadlineExceeded",
-           "Internal", "InvalidArgument", "RetryPolicy", "StreamBroken", "TooLarge", "Unauthenticated", "Unavailable",
-           "batchstring"]
+           "Internal", "InvalidArgument", "NotFound", "RetryPolicy", "StreamBroken", "TooLarge", "Unauthenticated",
+           "Unavailable", "batchstring"]
 
 
 def __getattr__(name: str) -> object:

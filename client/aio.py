@@ -136,6 +136,7 @@ class AsyncBatchClient:
         return_exceptions: bool = False,
         priority: int | None = None,
         cache_salt: str | None = None,
+        adapter: str | None = None,
         **sampling,
     ) -> list[Completion | BaseException]:
         """Each input's `Completion` (text, finish reason, token counts, log-probabilities), in order.
@@ -148,7 +149,8 @@ class AsyncBatchClient:
         `timeout` bounds the whole call, retries included (default: the retry policy's deadline).
         `priority` is the Triton queue level (protocol.INTERACTIVE, the default, or protocol.BATCH,
         served only when no interactive request waits); `cache_salt` keeps the call's cached
-        prefixes apart from those of requests with another salt.
+        prefixes apart from those of requests with another salt. `adapter` names a LoRA adapter the
+        server serves (`batchstring serve --lora NAME=DIR`); None: the base model.
         """
         if isinstance(inputs, str):
             raise InvalidArgument("batchstring takes a list of strings, not a single string")
@@ -160,7 +162,7 @@ class AsyncBatchClient:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (timeout if timeout is not None else self.retry.deadline)
         streams = CallStreams()
-        wire = {"priority": priority, "cache_salt": cache_salt}
+        wire = {"priority": priority, "cache_salt": cache_salt, "adapter": adapter}
         try:
             results = await asyncio.gather(*(self._complete(text, options, deadline, streams, wire)
                                              for text in encoded),
@@ -189,7 +191,7 @@ class AsyncBatchClient:
     async def stream_pieces(self, prompt: str, *, max_tokens: int | None = DEFAULT_MAX_TOKENS,
                             temperature: float | None = 0.0, timeout: float | None = None,
                             priority: int | None = None, cache_salt: str | None = None,
-                            **sampling) -> AsyncIterator[Piece]:
+                            adapter: str | None = None, **sampling) -> AsyncIterator[Piece]:
         """Yields the responses as they are generated; the last says how the generation ended and
         counts its tokens. Closing it (or cancelling the task that iterates it) cancels the request
         on the server, which frees its cache.
@@ -211,7 +213,8 @@ class AsyncBatchClient:
                 finished = False
                 try:
                     pieces = stream.request(self._request(text, options, stream=True, deadline=deadline,
-                                                          priority=priority, cache_salt=cache_salt))
+                                                          priority=priority, cache_salt=cache_salt,
+                                                          adapter=adapter))
                     while True:
                         # A deadline per piece, not a timeout around the yields: those would cancel
                         # whatever the consumer awaits between two pieces. Not wait_for: on Python
@@ -268,12 +271,13 @@ class AsyncBatchClient:
             self.resent += 1
 
     def _request(self, text: bytes, options: GenerationOptions, stream: bool, deadline: float,
-                 priority: int | None = None, cache_salt: str | None = None):
+                 priority: int | None = None, cache_salt: str | None = None, adapter: str | None = None):
         """The request for one attempt, carrying what is left of the deadline (the server drops the
         work once nobody can read it); refused here if the server would refuse its size."""
         remaining = deadline - asyncio.get_running_loop().time()
         request = build_request(self._new_id(), text, options, stream=stream,
-                                timeout_us=max(1, int(remaining * 1e6)), priority=priority, cache_salt=cache_salt)
+                                timeout_us=max(1, int(remaining * 1e6)), priority=priority, cache_salt=cache_salt,
+                                adapter=adapter)
         size = request.ByteSize()
         if size > self.max_message_bytes:
             raise TooLarge(f"the request is {size} bytes; this client sends at most {self.max_message_bytes} bytes per "

@@ -62,6 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int)
+    p.add_argument("--adapter", help="a LoRA adapter the server serves (`batchstring serve --lora`); default: the base")
     p.add_argument("--timeout", type=float, help="seconds for the whole call, retries included")
     p.add_argument("--tls-ca", help="PEM CA certificate: connect over TLS")
     p.add_argument("--json", action="store_true", help="print a JSON list instead of text")
@@ -88,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
     with BatchClient(args.url, root_certificates=args.tls_ca) as client:
         try:
             results = client.batchstring(texts, max_tokens=args.max_tokens, temperature=args.temperature,
-                                         seed=args.seed, timeout=args.timeout, return_exceptions=True)
+                                         seed=args.seed, timeout=args.timeout, adapter=args.adapter,
+                                         return_exceptions=True)
         except Exception as exc:  # connection-level failure: say so plainly
             print(f"batchstring run: {exc}", file=sys.stderr)
             return 1
@@ -114,7 +116,8 @@ def run_file(args: argparse.Namespace) -> int:
     if not args.input.is_file():
         raise SystemExit(f"batchstring run: no such input file: {args.input}")
     jsonl = is_jsonl(args.input) if args.format == "auto" else args.format == "jsonl"
-    defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed}
+    defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed,
+                "adapter": args.adapter}
 
     async def job():
         async with AsyncBatchClient(args.url, root_certificates=args.tls_ca, max_in_flight=args.max_in_flight) as c:

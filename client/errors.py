@@ -41,6 +41,13 @@ class TooLarge(InvalidArgument):
     code = "TOO_LARGE"
 
 
+class NotFound(InvalidArgument):
+    """The request names something the server does not serve (a LoRA adapter); the message lists
+    what it serves."""
+
+    code = "NOT_FOUND"
+
+
 class Unavailable(BatchstringError):
     """Not now: a full or timed-out queue, a model (re)loading, restarting or shutting down."""
 
@@ -91,7 +98,7 @@ class BatchError(BatchstringError):
 
 # The kinds the model writes in front of its messages (model_repository/llm/1/responder.py).
 MODEL_KINDS: dict[str, type[BatchstringError]] = {
-    "INVALID_ARG": InvalidArgument, "UNAVAILABLE": Unavailable, "INTERNAL": Internal,
+    "INVALID_ARG": InvalidArgument, "NOT_FOUND": NotFound, "UNAVAILABLE": Unavailable, "INTERNAL": Internal,
     "UNAUTHENTICATED": Unauthenticated,
 }
 # Triton's own errors, which it sends without a code; all of them mean "not now".

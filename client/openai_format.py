@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from batchstring.client.errors import BatchstringError, DeadlineExceeded, InvalidArgument, TooLarge
+from batchstring.client.errors import BatchstringError, DeadlineExceeded, InvalidArgument, NotFound, TooLarge
 from batchstring.client.protocol import Completion
 
 MAX_LOGPROBS = 20  # as the engine
@@ -144,6 +144,8 @@ def failure(exc: BaseException) -> tuple[int, str, str]:
         return 504, "timeout", exc.message
     if isinstance(exc, TooLarge):
         return 413, "too_large", exc.message
+    if isinstance(exc, NotFound):
+        return 404, "model_not_found", exc.message
     if isinstance(exc, InvalidArgument):
         return 400, "invalid_value", exc.message
     if isinstance(exc, BatchstringError) and exc.retryable:

@@ -18,6 +18,7 @@ from batchstring.client.defaults import MODEL
 from batchstring.client.errors import BatchstringError, InvalidArgument, from_server
 
 DEADLINE_PARAMETER = "deadline_us"  # request parameter: microseconds left for this request
+ADAPTER_PARAMETER = "adapter"  # request parameter: the served LoRA adapter to run with (absent: the base model)
 CACHE_SALT_PARAMETER = "cache_salt"  # request parameter: only requests with the same salt share cached prefixes
 INTERACTIVE, BATCH = 1, 2  # Triton priority levels (config.pbtxt dynamic_batching): 1 is served first
 # The same level for the engine, which Triton does not pass its reserved `priority` parameter to:
@@ -112,7 +113,7 @@ def encode_text(text: str) -> bytes:
 
 def build_request(request_id: str, text: bytes, options: GenerationOptions, stream: bool,
                   timeout_us: int | None = None, priority: int | None = None,
-                  cache_salt: str | None = None) -> service_pb2.ModelInferRequest:
+                  cache_salt: str | None = None, adapter: str | None = None) -> service_pb2.ModelInferRequest:
     request = service_pb2.ModelInferRequest(model_name=MODEL, id=request_id)
     _bytes_input(request, "text_input", text)
     _bool_input(request, "stream", stream)
@@ -131,6 +132,8 @@ def build_request(request_id: str, text: bytes, options: GenerationOptions, stre
         request.parameters[ENGINE_PRIORITY_PARAMETER].int64_param = priority
     if cache_salt:
         request.parameters[CACHE_SALT_PARAMETER].string_param = cache_salt
+    if adapter:
+        request.parameters[ADAPTER_PARAMETER].string_param = adapter
     return request
 
 

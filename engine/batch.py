@@ -114,9 +114,27 @@ def build_step(work: list[Work], blocks: BlockManager, random: RandomStreams | N
         decode_pairs=d.partitions(size, query_group),
         prefill_tokens=p.tokens, prefill_mask=p.mask, prefill_rows=p.rows, prefill_context=p.context,
         prefill_pairs=prefill_pairs, token_order=np.concatenate([d.order, p.order]), logit_tokens=logit_tokens,
-        sampling=sampling_inputs(sampled, random or RandomStreams()),
+        sampling=sampling_inputs(sampled, random or RandomStreams()), **_adapter_rows(ordered),
         single_group=single_group and not len(d.rows) and len(prefill_pairs) == len(p.rows))
     return StepBatch(inputs, blocks.table, np.concatenate([d.writes, p.writes]), ordered, sampled)
+
+
+def _adapter_rows(ordered: list[Work]) -> dict[str, np.ndarray]:
+    """The tokens of rows with an adapter, a group (a row of the array) per adapter in the step,
+    padded to the largest group, with the padding's mask and each group's slot (export/adapters.py)."""
+    slots = np.fromiter((w.seq.adapter_slot for w in ordered), np.int64, len(ordered))
+    if not (slots >= 0).any():
+        return {}
+    per_token = np.repeat(slots, np.fromiter((w.new for w in ordered), np.int64, len(ordered)))
+    tokens = np.flatnonzero(per_token >= 0)
+    by_slot = np.argsort(per_token[tokens], kind="stable")
+    index, counts = np.unique(per_token[tokens], return_counts=True)
+    group, within = _runs(counts, np.cumsum(counts))
+    grouped = np.zeros((len(index), int(counts.max())), np.int64)
+    mask = np.zeros(grouped.shape, np.float32)
+    grouped[group, within] = tokens[by_slot]
+    mask[group, within] = 1.0
+    return {"adapter_tokens": grouped, "adapter_mask": mask, "adapter_index": index}
 
 
 def split_cost(config: EngineConfig) -> int:

@@ -43,6 +43,9 @@ class EngineConfig:
     skip_forced_tokens: bool = True  # a constrained row's tokens its grammar admits one at a time need no step
     split_step_cost: int = AUTO  # keys x queries of padded attention worth a second call of a step; auto: by device
     cuda_graphs: bool = False  # torchscript on a GPU: decode steps replayed from CUDA graphs (cuda_graph_padding.py)
+    adapters: str = ""  # LoRA adapters served from the start: NAME=DIR[,NAME=DIR...] (engine/adapters.py)
+    adapter_dir: str = ""  # a directory watched for adapters: each subdirectory is one, named as it is
+    max_adapters: int = 8  # adapter slots resident at once; more adapters are swapped in by least recent use
 
     def __post_init__(self) -> None:
         if self.runtime not in RUNTIMES:
@@ -50,7 +53,7 @@ class EngineConfig:
         if self.scheduling not in SCHEDULING:
             raise ValueError(f"parameter scheduling must be one of {SCHEDULING}; got {self.scheduling!r}")
         positive = ("max_num_seqs", "max_waiting_seqs", "block_size", "max_num_batched_tokens",
-                    "default_max_tokens", "small_step_threads")
+                    "default_max_tokens", "small_step_threads", "max_adapters")
         if self.split_step_cost < 0:
             raise ValueError(f"parameter split_step_cost must be a positive number or auto; got {self.split_step_cost}")
         if self.max_input_bytes < 0:
@@ -77,6 +80,16 @@ class EngineConfig:
                 f"parameter max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
                 f"({self.max_num_seqs}) with chunked prefill: every running sequence decodes in every step"
             )
+
+    def adapter_dirs(self) -> dict[str, Path]:
+        """`adapters` as name -> directory."""
+        named = {}
+        for item in filter(None, (part.strip() for part in self.adapters.split(","))):
+            name, sep, path = item.partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise ValueError(f"parameter adapters takes NAME=DIR pairs separated by commas; got {item!r}")
+            named[name.strip()] = Path(path.strip())
+        return named
 
     def input_bytes(self, context_length: int) -> int:
         """The byte cap on text_input: as configured, or (auto) INPUT_BYTES_PER_TOKEN x the context."""

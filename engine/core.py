@@ -20,6 +20,9 @@ import itertools
 import time
 from pathlib import Path
 
+import numpy as np
+
+from batchstring.engine.adapters import AdapterSlots, BaseShape, load_adapter
 from batchstring.engine.batch import StepBatch, split_cost
 from batchstring.engine.block_manager import BlockManager
 from batchstring.engine.config import INPUT_BYTES_PER_TOKEN, EngineConfig
@@ -59,7 +62,13 @@ class EngineCore:
         self.stats = EngineStats()
         self.random = RandomStreams()
         self.policy = policy_for(config.scheduling)
-        self.scheduler = Scheduler(config, blocks, self.policy, self.spec.eos_token_ids)
+        if (config.adapters or config.adapter_dir) and not self.spec.adapters:
+            raise ValueError(f"{model_dir} was exported without adapters: export it again with `batchstring export "
+                             "--adapters` to serve LoRA adapters")
+        self.adapters = AdapterSlots(BaseShape.of(self.spec), config.max_adapters, _adapter_dtype(self.spec))
+        for name, path in config.adapter_dirs().items():  # the configured ones must load: the server refuses to start
+            self.adapters.add(load_adapter(name, path, self.adapters.base, self.adapters.dtype))
+        self.scheduler = Scheduler(config, blocks, self.policy, self.spec.eos_token_ids, self.adapters)
         # Drafts only beside chunked prefill: rows that decode while prompts prefill (engine/speculation.py)
         drafting = config.enable_chunked_prefill and self.policy.chunks
         self.speculator = Speculator(config.speculative_tokens if drafting else 0, config.speculative_step_tokens,
@@ -67,6 +76,7 @@ class EngineCore:
         runner = runner or build_runner(config.runtime, model_dir, self.spec, num_blocks, config.block_size,
                                         config.device, config.threads, self.cache.arena_bytes,
                                         config.small_step_threads, config.cuda_graphs)
+        runner.adapters = self.adapters
         self.runner = with_faults(runner, config.fault_marker)
         self.isolation = IsolatedStep(self.runner, blocks, self.stats, self.random, self.spec.eos_token_ids,
                                       max(1, self.spec.num_heads // self.spec.num_kv_heads), split_cost(config))
@@ -79,8 +89,11 @@ class EngineCore:
 
     def make_sequence(self, prompt: str, params: SamplingParams, sink: OutputSink, *, request_id: str | None = None,
                       stream: bool = False, include_input: bool = False, group: int = 0,
-                      deadline: float | None = None, cache_salt: bytes = b"", priority: int = 1) -> Sequence:
-        """Tokenises and checks a request against the model's and the cache's limits (any thread)."""
+                      deadline: float | None = None, cache_salt: bytes = b"", priority: int = 1,
+                      adapter: str | None = None) -> Sequence:
+        """Tokenises and checks a request against the model's and the cache's limits (any thread).
+        `adapter`: the served LoRA adapter it runs with (its blocks are cached apart from others')."""
+        lora = self.adapters.check(adapter) if adapter else None
         size = len(prompt.encode("utf-8", errors="surrogatepass"))
         if size > self.max_input_bytes:
             raise InvalidRequest(f"text_input is {size} bytes; at most {self.max_input_bytes} bytes are allowed "
@@ -103,8 +116,10 @@ class EngineCore:
         request_id = request_id or f"req-{next(self._ids)}"
         output = OutputStream(request_id, prompt, len(ids), sink, self.codec, params, stream=stream,
                               include_input=include_input)
+        if lora is not None:  # the same prompt under another adapter has other keys and values
+            cache_salt += b"\0adapter:" + lora.key
         seq = Sequence(request_id, ids, params, output, group=group, deadline=deadline, cache_salt=cache_salt,
-                       priority=priority)
+                       priority=priority, adapter=lora)
         self.structured.attach(seq)  # compiled here, on the caller's thread: never on the step's path
         return seq
 
@@ -277,3 +292,9 @@ class EngineCore:
         s.prefix_query_tokens, s.prefix_hit_tokens = blocks.query_tokens, blocks.hit_tokens
         s.cached_blocks = blocks.cached_blocks
 
+
+
+def _adapter_dtype(spec: RuntimeSpec) -> np.dtype:
+    """Adapters are held in the export's dtype; bfloat16 ones in float32 on the host (numpy has no
+    bfloat16), cast as the runner moves them to the device."""
+    return np.dtype("float32" if spec.dtype == "bfloat16" else spec.dtype)

@@ -19,12 +19,13 @@ from pathlib import Path
 
 import numpy as np
 
+from batchstring.engine.adapters import AdapterSlots
 from batchstring.engine.batch import StepBatch
 from batchstring.engine.block_table import BlockTable
 from batchstring.engine.cores import available_cores
 from batchstring.engine.cuda_graph_padding import PaddedStep, pad_decode
 from batchstring.engine.memory import small_step_graph
-from batchstring.export.contract import FETCHED, INPUT_NAMES, OUTPUT_NAMES, Held, StepInputs, arguments
+from batchstring.export.contract import FETCHED, INPUT_NAMES, OUTPUT_NAMES, AdapterWeights, Held, StepInputs, arguments
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -47,6 +48,9 @@ class RuntimeSpec:
     hidden_size: int = 0
     intermediate_size: int = 0
     sliding_windows: tuple[int | None, ...] = ()  # per layer (None: every past token)
+    adapter_sites: dict[str, tuple[int, int]] = field(default_factory=dict)  # (in, out) of each adaptable projection
+    source: str = ""  # the checkpoint it was exported from (adapters name their base model)
+    adapters: bool = False  # the step applies LoRA adapters (`batchstring export --adapters`)
 
     @classmethod
     def load(cls, path: Path) -> RuntimeSpec:
@@ -59,7 +63,9 @@ class RuntimeSpec:
         return cls(raw["num_layers"], raw["num_kv_heads"], raw["head_dim"], raw["vocab_size"], raw["context_length"],
                    tuple(raw["eos_token_ids"]), tuple(raw["inputs"]), raw.get("dtype", "float32"),
                    raw.get("sampling_defaults", {}), raw["num_heads"], hidden,
-                   raw.get("intermediate_size", 4 * hidden), tuple(raw.get("sliding_windows", ())))
+                   raw.get("intermediate_size", 4 * hidden), tuple(raw.get("sliding_windows", ())),
+                   {site: tuple(features) for site, features in raw.get("adapter_sites", {}).items()},
+                   raw.get("source", ""), bool(raw.get("adapters", False)))
 
     @property
     def window(self) -> int | None:
@@ -88,9 +94,30 @@ class StepOutput:
 
 
 class PagedCacheRunner:
-    """What every runtime shares: one step = run the graph, then write the new K/V to their slots."""
+    """What every runtime shares: one step = run the graph, then write the new K/V to their slots.
+
+    The held inputs (`held`) are the block table, the caches and the resident adapters' weights,
+    converted to the runtime's arrays once per change of the resident set (engine/adapters.py)."""
 
     spec: RuntimeSpec
+    adapters: AdapterSlots | None = None  # the engine's, when it serves adapters
+    _adapter_version: int = -1
+    _adapter_weights: AdapterWeights | None = None
+
+    def held(self, table, adapters: bool = True) -> Held:
+        """The held inputs with `table` as the runtime takes it; `adapters` False: none resident."""
+        slots = self.adapters if adapters else None
+        if slots is not None and slots.version != self._adapter_version:
+            self._adapter_weights, self._adapter_version = slots.weights(self._device_array), slots.version
+        weights = self._adapter_weights if slots is not None else None
+        return Held(table, self.keys, self.values, weights).without_adapters(self.spec.adapter_sites, self._zeros)
+
+    def _device_array(self, array: np.ndarray):
+        """A host array as the runtime's held input (numpy here; a tensor on the device for torch)."""
+        return array
+
+    def _zeros(self, shape: tuple):
+        return self._device_array(np.zeros(shape, self.keys.dtype if isinstance(self.keys, np.ndarray) else np.float32))
 
     def step(self, batch: StepBatch) -> StepOutput:
         tokens, logprobs, top_ids, top_logprobs, new_keys, new_values = self._run(batch.inputs, batch.table)
@@ -268,7 +295,7 @@ class OnnxRunner(PagedCacheRunner):
     def _run(self, inputs: StepInputs, table: BlockTable) -> tuple:
         # The caches and the block table are passed by reference: onnxruntime reads numpy memory in place.
         session = self.small_session if inputs.single_group else self.session
-        return session.run(FETCHED, inputs.feeds(Held(table.array, self.keys, self.values)))
+        return session.run(FETCHED, inputs.feeds(self.held(table.array)))
 
 
 class OnnxCudaRunner(PagedCacheRunner):
@@ -313,9 +340,8 @@ class OnnxCudaRunner(PagedCacheRunner):
         binding = self.session.io_binding()
         for name, array in inputs.arrays().items():
             binding.bind_cpu_input(name, array)
-        self._bind(binding, "block_table", self.table.sync(table))
-        self._bind(binding, "key_cache", self.keys)
-        self._bind(binding, "value_cache", self.values)
+        for name, tensor in self.held(self.table.sync(table)).named().items():
+            self._bind(binding, name, tensor)
         for name in FETCHED[:4]:  # small: onnxruntime allocates them in host memory
             binding.bind_output(name, "cpu")
         for name, tensor in (("logits", logits), ("new_keys", new_k), ("new_values", new_v)):
@@ -327,6 +353,9 @@ class OnnxCudaRunner(PagedCacheRunner):
 
     def _write(self, slots: np.ndarray, new_keys, new_values) -> None:
         super()._write(self.torch.from_numpy(slots).to(self.device), new_keys, new_values)
+
+    def _device_array(self, array: np.ndarray):
+        return self.torch.from_numpy(array).to(self.device, self.dtype)
 
 
 class TorchScriptRunner(PagedCacheRunner):
@@ -359,7 +388,9 @@ class TorchScriptRunner(PagedCacheRunner):
         self.graphs = CudaGraphs(self, num_blocks * block_size) if graphs else None
 
     def step(self, batch: StepBatch) -> StepOutput:
-        padded = self.graphs and pad_decode(batch, self.keys.shape[3], self.graphs.scratch_slot)
+        # A CUDA graph is captured with no adapter resident: steps with adapter rows run plainly.
+        adapted = len(batch.inputs.adapter_index)
+        padded = self.graphs and not adapted and pad_decode(batch, self.keys.shape[3], self.graphs.scratch_slot)
         if not padded:
             return super().step(batch)
         return self.graphs.replay(padded, self.table.sync(batch.table))
@@ -373,7 +404,7 @@ class TorchScriptRunner(PagedCacheRunner):
         """The step's arguments on the device, in order; `table` a device table or a BlockTable."""
         table = table if isinstance(table, self.torch.Tensor) else self.table.sync(table)
         torch = self.torch
-        return inputs.positional(Held(table, self.keys, self.values),
+        return inputs.positional(self.held(table),
                                  lambda array: torch.as_tensor(array).to(self.device, non_blocking=True))
 
     def _call(self, inputs: list) -> tuple:
@@ -383,6 +414,9 @@ class TorchScriptRunner(PagedCacheRunner):
         with self.torch.inference_mode():
             index = slots if isinstance(slots, self.torch.Tensor) else self.torch.from_numpy(slots).to(self.device)
             super()._write(index, new_keys, new_values)
+
+    def _device_array(self, array: np.ndarray):
+        return self.torch.from_numpy(array).to(self.device, self.keys.dtype)
 
 
 class CudaGraphs:
@@ -412,7 +446,7 @@ class CudaGraphs:
         runner, torch = self.runner, self.runner.torch
         buffers = [torch.as_tensor(array).to(runner.device) for array in padded.inputs.arrays().values()]  # static
         slots = torch.from_numpy(padded.write_slots).to(runner.device)
-        ordered = arguments(buffers, Held(table, runner.keys, runner.values))
+        ordered = arguments(buffers, runner.held(table, adapters=False))
 
         def step() -> tuple:
             outputs = runner._call(ordered)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from batchstring.engine.adapters import AdapterSlots
 from batchstring.engine.batch import Work
 from batchstring.engine.block_manager import BlockManager
 from batchstring.engine.config import EngineConfig
@@ -54,8 +55,9 @@ class ScheduledStep:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, blocks: BlockManager, policy: ContinuousBatching,
-                 eos_token_ids: tuple[int, ...]) -> None:
+                 eos_token_ids: tuple[int, ...], adapters: AdapterSlots | None = None) -> None:
         self.config = config
+        self.adapters = adapters
         self.blocks = blocks
         self.policy = policy
         self.eos = frozenset(eos_token_ids)
@@ -134,7 +136,10 @@ class Scheduler:
             if new <= 0 or (not chunked and admitted and budget is not None and new > budget):
                 break
             reserve = self._watermark if self.running or admitted else 0
+            if not self._take_adapter_slot(seq):
+                break  # every adapter slot is held by rows of other adapters: waits its turn
             if not self.blocks.admit(seq, hits, new, reserve):
+                self._free_adapter_slot(seq)
                 break
             self.waiting.remove(seq)
             seq.status = Status.RUNNING
@@ -213,10 +218,23 @@ class Scheduler:
             budget -= new
         return work
 
+    def _take_adapter_slot(self, seq: Sequence) -> bool:
+        if seq.adapter is None:
+            return True
+        slot = self.adapters.acquire(seq.adapter)
+        seq.adapter_slot = -1 if slot is None else slot
+        return slot is not None
+
+    def _free_adapter_slot(self, seq: Sequence) -> None:
+        if seq.adapter_slot >= 0:
+            self.adapters.release(seq.adapter_slot)
+            seq.adapter_slot = -1
+
     def preempt(self, seq: Sequence) -> None:
         """Frees the sequence's cache and puts it first in line; it will be recomputed."""
         self.running.remove(seq)
         self.blocks.release(seq)
+        self._free_adapter_slot(seq)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self.preemptions += 1
@@ -245,6 +263,7 @@ class Scheduler:
             return
         self._background -= seq.priority > 1
         self.blocks.release(seq)
+        self._free_adapter_slot(seq)
         seq.status = Status.FINISHED
 
     # ----- after a step ------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import numpy as np
 from batchstring.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # both import the sequence's module; a sequence only points at them
+    from batchstring.engine.adapters import Adapter
     from batchstring.engine.grammar import Constraint
     from batchstring.engine.output import OutputStream
 
@@ -52,6 +53,8 @@ class Sequence:
     first_token_at: float | None = None
     padding: bool = False  # static batching: finished, its row computes on until its batch ends
     rng: np.random.Generator | None = None  # a seeded request's own stream (engine/randomness.py draws from it)
+    adapter: Adapter | None = None  # the LoRA adapter its rows run with (engine/adapters.py)
+    adapter_slot: int = -1  # that adapter's slot while it runs (-1: none)
 
     @property
     def all_ids(self) -> list[int]:

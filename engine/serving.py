@@ -10,11 +10,14 @@ is restarted).
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
+from batchstring.engine.adapters import AdapterChange, AdapterWatcher
 from batchstring.engine.config import EngineConfig
 from batchstring.engine.core import EngineCore
 from batchstring.engine.errors import EngineBroken
@@ -23,8 +26,10 @@ from batchstring.engine.runner import PagedCacheRunner
 from batchstring.engine.sequence import Sequence
 
 WATCHDOG_SECONDS = 1.0
+ADAPTER_SCAN_SECONDS = 1.0  # how often the watched adapter directory is read (engine parameter adapter_dir)
 DEADLINE_CHECK_SECONDS = 0.1  # how often requests are checked against their callers' deadlines
 _STOP = object()
+log = logging.getLogger(__name__)
 
 
 class ServingEngine:
@@ -74,6 +79,8 @@ class ServingEngine:
         self._thread = threading.Thread(target=self._loop, name="batchstring-engine", daemon=True)
         self._thread.start()
         threading.Thread(target=self._watchdog, name="batchstring-watchdog", daemon=True).start()
+        if self.config.adapter_dir:
+            threading.Thread(target=self._watch_adapters, name="batchstring-adapters", daemon=True).start()
 
     def stop(self) -> None:
         """Aborts what is left (each request gets its final response) and joins the thread."""
@@ -119,6 +126,8 @@ class ServingEngine:
                 return False
             if isinstance(item, tuple):  # (sequence, why): abandoned
                 self.core.abort(*item)
+            elif isinstance(item, AdapterChange):
+                self.core.adapters.apply(item)
             else:
                 if fault_kind(self.config.fault_marker, item.output.prompt) == "loop":
                     raise EngineLoopFault("the engine loop failed (injected fault)")
@@ -155,6 +164,18 @@ class ServingEngine:
                 self.broken = f"a step has not returned for {self.config.stall_seconds:g} s"
                 if self.on_broken:
                     self.on_broken(self.broken)
+
+    def _watch_adapters(self) -> None:
+        """From its own thread: adapters added to, changed in or removed from `adapter_dir` reach
+        the engine's thread as changes (loading one never holds up a step)."""
+        slots = self.core.adapters
+        watcher = AdapterWatcher(Path(self.config.adapter_dir), slots.base, slots.dtype)
+        while self._thread is not None and not self.broken and not self._stopping:
+            for change in watcher.scan():
+                if change.error:
+                    log.warning("batchstring: %s", change.error)
+                self._inbox.put(change)
+            time.sleep(ADAPTER_SCAN_SECONDS)
 
     def _wake(self, stopping: bool = False) -> None:
         """Wakes callers waiting for room; `stopping`: for good (they return at once from now on)."""

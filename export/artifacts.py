@@ -14,7 +14,17 @@ import numpy as np
 import torch
 from torch.export import Dim
 
-from batchstring.export.contract import INPUT_NAMES, INPUTS, OUTPUT_NAMES, STATIC_DIMS, Held, SamplingInputs, StepInputs
+from batchstring.export.contract import (
+    ADAPTER_SITES,
+    INPUT_NAMES,
+    INPUTS,
+    OUTPUT_NAMES,
+    STATIC_DIMS,
+    AdapterWeights,
+    Held,
+    SamplingInputs,
+    StepInputs,
+)
 from batchstring.export.step import DecoderStep
 
 # The example step's sizes: every dynamic axis has its own size > 1, so the exporter can neither
@@ -22,7 +32,8 @@ from batchstring.export.step import DecoderStep
 EXAMPLE = {"tokens": 19, "decode_rows": 6, "decode_pairs": 11, "decode_span": 15, "block_size": 16,
            "prefill_rows": 2, "prefill_new": 9, "prefill_pairs": 12, "prefill_span": 10, "table_rows": 13,
            "table_width": 83, "cache_blocks": 41, "sampled_rows": 5, "rows": 8, "banned_rows": 3,
-           "masked_rows": 4, "adjustments": 7}
+           "masked_rows": 4, "adjustments": 7, "adapter_groups": 14, "group_width": 23, "adapter_slots": 17,
+           "qkv_rank": 18, "o_rank": 20, "gate_up_rank": 21, "down_rank": 22}
 EXAMPLE_DECODE_CONTEXT = (500, 240, 0, 400, 600, 239)  # spans of 15 x 16: 3 + 1 + 1 + 2 + 3 + 1 = 11 pairs
 EXAMPLE_PREFILL_CONTEXT = (1000, 700)  # spans of 10 x 16: 7 + 5 = 12 pairs
 
@@ -31,13 +42,16 @@ def example_inputs(step: DecoderStep) -> tuple[torch.Tensor, ...]:
     """`example_step` as the step's arguments, the caches in the step's dtype."""
     inputs, held = example_step(step)
     cache = torch.from_numpy(held.key_cache).to(step.dtype)
-    return tuple(inputs.positional(Held(torch.from_numpy(held.block_table), cache, cache.clone()), torch.from_numpy))
+    adapters = AdapterWeights(*(torch.from_numpy(w).to(step.dtype) for w in held.adapters))
+    return tuple(inputs.positional(Held(torch.from_numpy(held.block_table), cache, cache.clone(), adapters),
+                                   torch.from_numpy))
 
 
 def example_step(step: DecoderStep) -> tuple[StepInputs, Held]:
     """A step of EXAMPLE's sizes: 6 decode rows; 2 prefill rows of 9 and 4 new tokens (padded to
     9); 19 tokens in all; 8 rows want a next token, 5 sample, 3 have EOS banned, 4 follow a
-    grammar, 7 logit adjustments; a table of 13 rows over 41 cache blocks of 16 tokens (float32)."""
+    grammar, 7 logit adjustments; 14 groups of adapted tokens (23 wide, padded) over 17 resident
+    adapters; a table of 13 rows over 41 cache blocks of 16 tokens (float32)."""
     e = EXAMPLE
     cache = np.zeros((len(step.layers), step.num_kv_heads, e["cache_blocks"], e["block_size"], step.head_dim),
                      np.float32)
@@ -61,8 +75,22 @@ def example_step(step: DecoderStep) -> tuple[StepInputs, Held]:
         prefill_context=np.array(EXAMPLE_PREFILL_CONTEXT),
         prefill_pairs=np.zeros((e["prefill_pairs"], e["prefill_span"], 0), np.int64),
         token_order=np.array([*range(15), 20, 21, 22, 23]), logit_tokens=np.array([0, 1, 2, 3, 4, 5, 14, 18]),
-        sampling=sampling)
-    return inputs, Held(table, cache, cache.copy())
+        sampling=sampling,
+        adapter_tokens=np.arange(e["adapter_groups"] * e["group_width"]).reshape(e["adapter_groups"], -1) % 19,
+        adapter_mask=np.ones((e["adapter_groups"], e["group_width"]), np.float32),
+        adapter_index=np.arange(e["adapter_groups"]) % e["adapter_slots"])
+    return inputs, Held(table, cache, cache.copy(), example_adapters(step))
+
+
+def example_adapters(step: DecoderStep) -> AdapterWeights:
+    """EXAMPLE's slots and per-site ranks of adapter weights (zeros: the trace needs their shapes)."""
+    e, layers, sites = EXAMPLE, len(step.layers), step.adapter_sites()
+
+    def pair(site: str) -> tuple[np.ndarray, np.ndarray]:
+        fan_in, fan_out = sites.get(site, (0, 0))
+        slots, rank = e["adapter_slots"], e[f"{site}_rank"]
+        return np.zeros((layers, slots, fan_in, rank), np.float32), np.zeros((layers, slots, rank, fan_out), np.float32)
+    return AdapterWeights(*(w for site in ADAPTER_SITES for w in pair(site)))
 
 
 def dynamic_shapes() -> tuple[dict[int, Dim], ...]:
@@ -169,6 +197,7 @@ def run_on_meta(model_pt: Path, spec: dict) -> tuple[torch.Tensor, ...]:
     dtype = getattr(torch, spec["dtype"])
     meta = Held(torch.from_numpy(held.block_table).to("meta"),
                 *(torch.from_numpy(c).to("meta", dtype) for c in (held.key_cache, held.value_cache)))
+    meta = meta.without_adapters(adapter_sites(spec), lambda shape: torch.zeros(shape, dtype=dtype, device="meta"))
     with torch.no_grad():
         return function(*inputs.positional(meta, lambda a: torch.from_numpy(a).to("meta")),
                         *(w.to("meta") for w in weights))
@@ -193,9 +222,16 @@ def runtime_spec(step: DecoderStep, hf_config, tokenizer_eos: list[int], source:
         "eos_token_ids": tokenizer_eos,
         "dtype": str(step.dtype).removeprefix("torch."),  # weights and KV cache
         "sampling_defaults": sampling_defaults or {},  # the checkpoint's generation_config
+        "adapters": step.adapters,  # exported with LoRA adapters in use (`batchstring export --adapters`)
+        "adapter_sites": step.adapter_sites(),  # projections a LoRA adapter may change: (in, out) features
         "inputs": list(INPUT_NAMES),
         "outputs": list(OUTPUT_NAMES),
     }
+
+
+def adapter_sites(spec: dict) -> dict[str, tuple[int, int]]:
+    """runtime.json's adapter sites as (in, out) pairs."""
+    return {site: tuple(features) for site, features in spec.get("adapter_sites", {}).items()}
 
 
 def write_runtime_spec(spec: dict, path: Path) -> None:

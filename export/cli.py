@@ -12,6 +12,9 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, help="output directory (default: model_repository/llm/1)")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"),
                    help="weights and KV cache (default: float16 where a GPU is visible, else float32)")
+    p.add_argument("--adapters", action="store_true",
+                   help="a step that applies LoRA adapters chosen per request (`batchstring serve --lora`); a step "
+                        "with no adapter row pays one branch per projection")
     p.add_argument("--quantize", choices=("int8", "int4"),
                    help="weight-only quantization of the ONNX step (MatMulNBits, blocks of 32 along K, symmetric); "
                         "activations stay in --dtype; measured against the unquantized graph")
@@ -50,7 +53,7 @@ def run_export(args: argparse.Namespace) -> int:
                                                   head=args.quantize_head, embedding=args.quantize_embedding)
     try:
         export_model(args.model, args.out or MODEL_VERSION_DIR, dtype=args.dtype, quantization=quantization or None,
-                     force=args.force, max_rise=args.max_perplexity_rise, heldout=args.heldout)
+                     force=args.force, max_rise=args.max_perplexity_rise, heldout=args.heldout, adapters=args.adapters)
     except (UnsupportedModel, VerificationError, QuantizationRefused, ValueError, OSError) as exc:
         print(f"batchstring export: {exc}", file=sys.stderr)
         return 1

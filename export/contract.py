@@ -8,8 +8,9 @@ rows into one as well (export/verify.py). Adding an input is a row in `INPUTS` a
 `StepInputs` or `SamplingInputs` (checked against each other at import), plus its producer and its
 consumer in the step.
 
-Three inputs are the runner's, not the step's (`Held`): the block table and the two caches live
-as long as the engine and are handed to every step as they are (see engine/runner.py).
+The runner's inputs, not the step's (`Held`): the block table, the two caches and the resident
+adapters' weights live as long as the engine and are handed to every step as they are (see
+engine/runner.py and engine/adapters.py).
 
 Numpy only: the engine and the device check import it on machines without torch's exporters.
 """
@@ -38,7 +39,12 @@ class Tensor:
     meaning: str
 
 
-STATIC_DIMS = frozenset({"layers", "kv_heads", "head_dim", "vocab", "top_n"})
+# The step's projections a LoRA adapter may change (q/k/v and gate/up are one projection each in
+# the step, export/step.py): each site's stacked low-rank matrices are inputs the runner holds.
+ADAPTER_SITES = ("qkv", "o", "gate_up", "down")
+
+STATIC_DIMS = frozenset({"layers", "kv_heads", "head_dim", "vocab", "top_n",
+                         *(f"{site}_{end}" for site in ADAPTER_SITES for end in ("in", "out"))})
 
 INPUTS = (
     Tensor("input_ids", "int64", ("tokens",), "the new tokens of every row, packed"),
@@ -72,6 +78,15 @@ INPUTS = (
     Tensor("adjust_bias", "float32", ("adjustments",), "added"),
     Tensor("adjust_scale", "float32", ("adjustments",), "repetition penalty (1 = none)"),
     Tensor("adjust_shift", "float32", ("adjustments",), "subtracted (frequency x count + presence)"),
+    Tensor("adapter_tokens", "int64", ("adapter_groups", "group_width"),
+           "packed index of each token whose row uses an adapter, a group per adapter (padding: 0)"),
+    Tensor("adapter_mask", "float32", ("adapter_groups", "group_width"), "1 for a token, 0 for padding"),
+    Tensor("adapter_index", "int64", ("adapter_groups",), "each group's adapter: its slot in the adapter weights"),
+    *(tensor for site in ADAPTER_SITES for tensor in (
+        Tensor(f"{site}_lora_a", MODEL_DTYPE, ("layers", "adapter_slots", f"{site}_in", f"{site}_rank"),
+               f"resident adapters' A of the {site} projection, a fused projection's ranks side by side"),
+        Tensor(f"{site}_lora_b", MODEL_DTYPE, ("layers", "adapter_slots", f"{site}_rank", f"{site}_out"),
+               "their B times each adapter's scaling, block-diagonal over a fused projection's parts"))),
     Tensor("key_cache", MODEL_DTYPE, ("layers", "kv_heads", "cache_blocks", "block_size", "head_dim"),
            "the runner's paged cache: blocks of block_size tokens (read only)"),
     Tensor("value_cache", MODEL_DTYPE, ("layers", "kv_heads", "cache_blocks", "block_size", "head_dim"),
@@ -95,12 +110,39 @@ FETCHED = tuple(name for name in OUTPUT_NAMES if name != "logits")  # what a run
 CACHES = ("key_cache", "value_cache")
 
 
+AdapterWeights = NamedTuple("AdapterWeights", [(f"{site}_lora_{m}", Any) for site in ADAPTER_SITES for m in "ab"])
+AdapterWeights.__doc__ = """The resident adapters' stacked matrices, per site (engine/adapters.py fills them)."""
+
+
+def no_adapters(sites: dict[str, tuple[int, int]], layers: int, zeros: Callable[[tuple], Any]) -> AdapterWeights:
+    """Weights with no adapter slot: `sites` maps a site to its projection's (in, out) features
+    (a site the model lacks: (0, 0)); `zeros(shape)` makes an array of the runtime's kind."""
+    def pair(site: str) -> tuple:
+        fan_in, fan_out = sites.get(site, (0, 0))
+        return zeros((layers, 0, fan_in, 0)), zeros((layers, 0, 0, fan_out))
+    return AdapterWeights(*(array for site in ADAPTER_SITES for array in pair(site)))
+
+
 class Held(NamedTuple):
     """The inputs a runner holds for the engine's lifetime and passes to every step as they are."""
 
     block_table: Any
     key_cache: Any
     value_cache: Any
+    adapters: AdapterWeights | None = None  # None: no adapter resident (`without_adapters` fills it)
+
+    def without_adapters(self, sites: dict[str, tuple[int, int]], zeros: Callable[[tuple], Any]) -> Held:
+        """These inputs with empty adapter weights where none were given (see `no_adapters`)."""
+        if self.adapters is not None:
+            return self
+        return self._replace(adapters=no_adapters(sites, self.key_cache.shape[0], zeros))
+
+    def named(self) -> dict[str, Any]:
+        """Each held input by its contract name."""
+        if self.adapters is None:
+            raise ValueError("the step's held inputs lack the adapter weights: call Held.without_adapters first")
+        return {"block_table": self.block_table, "key_cache": self.key_cache, "value_cache": self.value_cache,
+                **self.adapters._asdict()}
 
 
 @dataclass(frozen=True)
@@ -155,6 +197,9 @@ class StepInputs:
     token_order: np.ndarray
     logit_tokens: np.ndarray
     sampling: SamplingInputs
+    adapter_tokens: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 0), np.int64))
+    adapter_mask: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 0), np.float32))
+    adapter_index: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
     single_group: bool = False
 
     @property
@@ -179,7 +224,7 @@ class StepInputs:
 
     def feeds(self, held: Held) -> dict[str, Any]:
         """Every input by name, for runtimes that take named inputs (ONNX Runtime)."""
-        return {**self.arrays(), **held._asdict()}
+        return {**self.arrays(), **held.named()}
 
     def positional(self, held: Held, convert: Callable[[np.ndarray], Any] = lambda array: array) -> list:
         """Every input in the step's argument order; `convert` turns each array of this step (not
@@ -193,12 +238,13 @@ class StepInputs:
 def arguments(own: list, held: Held) -> list:
     """The step's arguments in order from its own inputs (in `StepInputs.arrays()`'s order, as the
     runtime's values: a CUDA graph's static buffers) and the held ones."""
-    values = iter(own)
-    return [getattr(held, name) if name in Held._fields else next(values) for name in INPUT_NAMES]
+    values, named = iter(own), held.named()
+    return [named[name] if name in _HELD else next(values) for name in INPUT_NAMES]
 
 
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingInputs))
-_OWN = tuple(name for name in INPUT_NAMES if name not in Held._fields)
+_HELD = frozenset({*Held._fields[:-1], *AdapterWeights._fields})
+_OWN = tuple(name for name in INPUT_NAMES if name not in _HELD)
 
 
 # The step's positional arguments by name: `DecoderStep.forward(*inputs)` reads them so.
@@ -208,7 +254,7 @@ StepArguments = NamedTuple("StepArguments", [(name, Any) for name in INPUT_NAMES
 def _check() -> None:
     """The typed values and the table describe the same inputs."""
     fields = [f.name for f in dataclasses.fields(StepInputs) if f.name not in ("sampling", "single_group")]
-    declared = set(fields) | _SAMPLING_FIELDS | set(Held._fields)
+    declared = set(fields) | _SAMPLING_FIELDS | _HELD
     if declared != set(INPUT_NAMES) or len(declared) != len(INPUT_NAMES):
         raise AssertionError(f"export/contract.py: StepInputs, SamplingInputs and Held declare {sorted(declared)}, "
                              f"INPUTS {sorted(INPUT_NAMES)}")

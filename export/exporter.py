@@ -16,11 +16,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from batchstring.engine.tokenizer import TextCodec
 from batchstring.export import artifacts
-from batchstring.export.contract import CACHES, Held, StepInputs
+from batchstring.export.contract import ADAPTER_SITES, CACHES, AdapterWeights, Held, StepInputs
 from batchstring.export.family import features
 from batchstring.export.layout import DEFAULT_MODEL_DIR, HELDOUT_TEXT, MODEL_VERSION_DIR, SMALL_STEP_GRAPH
 from batchstring.export.prequantized import PreQuantized, load_dequantized
@@ -103,12 +104,17 @@ def sampling_defaults(hf_model) -> dict:
     return {k: v for k, v in values.items() if v is not None}
 
 
-def torch_arguments(inputs: StepInputs, held: Held, dtype: torch.dtype | None = None,
-                    device: str = "cpu") -> list[torch.Tensor]:
-    """The step's arguments from host arrays, on `device`, the caches in `dtype` (None: as they are)."""
+def torch_arguments(inputs: StepInputs, held: Held, dtype: torch.dtype | None = None, device: str = "cpu",
+                    sites: dict[str, tuple[int, int]] | None = None) -> list[torch.Tensor]:
+    """The step's arguments from host arrays, on `device`, the caches and adapters in `dtype` (None:
+    as they are); `sites`: the step's adapter sites, for empty adapter weights where `held` has none."""
     caches = (torch.from_numpy(c).to(device, dtype) for c in (held.key_cache, held.value_cache))
-    on_device = Held(torch.from_numpy(held.block_table).to(device), *caches)
-    return inputs.positional(on_device, lambda array: torch.from_numpy(array).to(device))
+    adapters = None if held.adapters is None else AdapterWeights(*(torch.from_numpy(w).to(device, dtype)
+                                                                   for w in held.adapters))
+    on_device = Held(torch.from_numpy(held.block_table).to(device), *caches, adapters)
+    return inputs.positional(on_device.without_adapters(sites or {}, lambda shape: torch.zeros(
+                                 shape, dtype=dtype or held.key_cache.dtype, device=device)),
+                             lambda array: torch.from_numpy(array).to(device))
 
 
 def _numpy_out(outputs) -> tuple:
@@ -118,7 +124,7 @@ def _numpy_out(outputs) -> tuple:
 def _eager(step: DecoderStep) -> StepFn:
     def run(inputs: StepInputs, held: Held):
         with torch.no_grad():
-            return _numpy_out(step(*torch_arguments(inputs, held, step.dtype)))
+            return _numpy_out(step(*torch_arguments(inputs, held, step.dtype, sites=step.adapter_sites())))
 
     return run
 
@@ -127,22 +133,32 @@ def onnx_step(path: Path, dtype: str) -> StepFn:
     import onnxruntime as ort
 
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    sites = onnx_adapter_sites(session)
 
     def run(inputs: StepInputs, held: Held):
         cast = held._replace(key_cache=held.key_cache.astype(dtype), value_cache=held.value_cache.astype(dtype))
+        cast = cast.without_adapters(sites, lambda shape: np.zeros(shape, dtype))
         return tuple(o.astype("float32") if o.dtype.kind == "f" else o for o in session.run(None, inputs.feeds(cast)))
 
     return run
 
 
-def torchscript_step(path: Path, dtype: torch.dtype, device: str = "cpu") -> StepFn:
-    """The saved TorchScript step on `device`, taking and returning host arrays."""
+def onnx_adapter_sites(session) -> dict[str, tuple[int, int]]:
+    """An ONNX Runtime session's adapter sites, (in, out) each, from its inputs' fixed dims."""
+    shapes = {i.name: i.shape for i in session.get_inputs()}
+    return {site: (shapes[f"{site}_lora_a"][2], shapes[f"{site}_lora_b"][3]) for site in ADAPTER_SITES}
+
+
+def torchscript_step(path: Path, dtype: torch.dtype, sites: dict[str, tuple[int, int]],
+                     device: str = "cpu") -> StepFn:
+    """The saved TorchScript step on `device`, taking and returning host arrays; `sites`: its
+    adapter sites (runtime.json's)."""
     with artifacts.quiet():
         module = torch.jit.load(str(path), map_location=device)
 
     def run(inputs: StepInputs, held: Held):
         with torch.no_grad():
-            return _numpy_out(module(*torch_arguments(inputs, held, dtype, device)))
+            return _numpy_out(module(*torch_arguments(inputs, held, dtype, device, sites)))
 
     return run
 
@@ -152,7 +168,8 @@ def _runtime_loaders(step: DecoderStep, scratch: Path, dtype: str, console: Cons
     step and TorchScript always; ONNX Runtime's CPU provider where it has the kernels (float32,
     float16). A bfloat16 ONNX graph is checked structurally here and numerically by `make gpu-check`."""
     loaders: dict[str, Loader] = {"eager step": lambda: _eager(step),
-                                  "torchscript": lambda: torchscript_step(scratch / "model.pt", step.dtype)}
+                                  "torchscript": lambda: torchscript_step(scratch / "model.pt", step.dtype,
+                                                                           step.adapter_sites())}
     example = artifacts.example_step(step)
 
     def onnx(path: Path, small: bool) -> StepFn | None:
@@ -252,12 +269,13 @@ def peak_rss_gib() -> float:
 def export_model(
     source: Path | None = None, out_dir: Path = MODEL_VERSION_DIR, console: Console | None = None,
     dtype: str | None = None, quantization: Quantization | None = None, force: bool = False,
-    max_rise: float | None = None, heldout: Path | None = None,
+    max_rise: float | None = None, heldout: Path | None = None, adapters: bool = False,
 ) -> ExportResult:
     """Exports, verifies in a scratch directory, and only then replaces the served files. With
     `quantization`, the verified ONNX graphs are then quantized and measured (`_quantize`); `force`
     keeps a quantization whose perplexity on `heldout` (None: HELDOUT_TEXT) rises past `max_rise`
-    percent (None: the scheme's MAX_PERPLEXITY_RISE)."""
+    percent (None: the scheme's MAX_PERPLEXITY_RISE). `adapters`: the step applies LoRA adapters
+    (`batchstring serve --lora` needs it; see export/adapters.py)."""
     from rich.console import Console
 
     console = console or Console()
@@ -274,7 +292,7 @@ def export_model(
     stages = Stages(console, 5 if quantization else 4)
     with stages.stage(f"load {source.name} in {dtype}" + (f", {published.scheme} dequantized" if published else "")):
         hf_model = load_dequantized(source, published) if published else load_checkpoint(source, dtype)
-        step, eos = decoder_step(hf_model, source)
+        step, eos = decoder_step(hf_model, source, adapters)
     console.print(f"{hf_model.config.model_type}: {', '.join(features(hf_model)) or 'Llama layers'}")
     with tempfile.TemporaryDirectory(prefix="batchstring-export-") as tmp:
         scratch = Path(tmp)
@@ -338,11 +356,12 @@ def install(scratch: Path, out_dir: Path) -> None:
         shutil.move(produced, out_dir / produced.name)
 
 
-def decoder_step(hf_model, source: Path) -> tuple[DecoderStep, list[int]]:
-    """The step over a loaded checkpoint, with its tokenizer's vocabulary and every EOS id."""
+def decoder_step(hf_model, source: Path, adapters: bool = False) -> tuple[DecoderStep, list[int]]:
+    """The step over a loaded checkpoint, with its tokenizer's vocabulary and every EOS id;
+    `adapters`: LoRA adapters applied (export/adapters.py)."""
     codec = TextCodec.from_file(source / "tokenizer.json")
     eos = eos_ids(hf_model)
-    return DecoderStep(hf_model, eos, *codec.known_ids()).eval(), eos
+    return DecoderStep(hf_model, eos, *codec.known_ids(), adapters=adapters).eval(), eos
 
 
 def write_model_files(step: DecoderStep, hf_model, eos: list[int], source: Path, out: Path) -> None:

@@ -81,7 +81,7 @@ def measure_export(model_dir: Path, text: str, runtime: str = "onnxruntime", con
     if runtime == "torchscript":
         import torch
 
-        run = torchscript_step(graph, getattr(torch, spec.dtype))
+        run = torchscript_step(graph, getattr(torch, spec.dtype), spec.adapter_sites)
     else:
         run = onnx_step(graph, spec.dtype)
     ids = TextCodec.from_file(model_dir / "tokenizer.json").encode(text)

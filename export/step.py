@@ -39,6 +39,10 @@ Why this shape:
 - q/k/v and gate/up are one projection each (`StepLayer`), and one rotation covers every head of
   the fused projection (the values' factors are cos 1, sin 0): five matrix multiplies per layer
   become two, and no outputs are concatenated.
+- LoRA adapters of many fine-tunes share the step (export/adapters.py, exported with
+  `adapters`): the tokens of rows with an adapter are gathered a group per adapter, multiplied by
+  their own adapter's A and B in one batched product and added back. Rows without an adapter
+  cost nothing, and a step with none skips the products.
 - No tensor is created on a device named in the code: a trace records such a device as a
   constant, and `torch.jit.load(map_location=...)` moves only parameters and buffers. Fixed
   index tensors are buffers (they move with the weights); everything sized at run time is built
@@ -50,12 +54,14 @@ Why this shape:
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from batchstring.export.contract import StepArguments
+from batchstring.export.adapters import AdapterRows
+from batchstring.export.contract import ADAPTER_SITES, StepArguments
 from batchstring.export.family import Family, UnsupportedModel, family_of, layer_plans, long_rope, rotary_tables
 from batchstring.export.mixture import Mixture
 from batchstring.export.sampler import SamplingHead
@@ -77,9 +83,10 @@ class DecoderStep(nn.Module):
     """
 
     def __init__(self, hf_model, eos_ids: list[int] = (), vocab_size: int | None = None,
-                 never_ids: list[int] = (), single_group: bool = False) -> None:
+                 never_ids: list[int] = (), single_group: bool = False, adapters: bool = False) -> None:
         super().__init__()
         self.single_group = single_group
+        self.adapters = adapters  # LoRA adapters applied (export/adapters.py); else their inputs go unread
         cfg = hf_model.config
         family = family_of(cfg)
         inner = hf_model.model
@@ -154,8 +161,12 @@ class DecoderStep(nn.Module):
         layer_stride = kv_heads * num_blocks
         new_kv = []
         q_heads = self.num_heads
+        adapters = self.adapters and AdapterRows.of(x.adapter_tokens, x.adapter_mask, x.adapter_index, {
+            site: (getattr(x, f"{site}_lora_a"), getattr(x, f"{site}_lora_b")) for site in self.adapter_sites()},
+            self.dtype, self.sampler.branches)
         for i, (layer, plan) in enumerate(zip(self.layers, self.plans)):
-            qkv = layer.project(_norm(layer.attn_norm, h), q_heads, kv_heads, dim)  # [T, Hq + 2H, D]
+            adapt = adapters.of_layer(i) if adapters else _unadapted
+            qkv = layer.project(_norm(layer.attn_norm, h), q_heads, kv_heads, dim, adapt)  # [T, Hq + 2H, D]
             if plan.rope is None:  # NoPE: only the queries' attention scale
                 qkv = qkv * (self.head_scale + self.value_heads)
             else:
@@ -168,9 +179,10 @@ class DecoderStep(nn.Module):
                         for flat in (flat_keys, flat_values)]  # [H, P, C * bs, D]
                 q_g, k_g, v_g = _take(qkv, group.tokens).split((q_heads, kv_heads, kv_heads), dim=2)
                 outs.append(self._attention(q_g, k_g, v_g, group, *past, layer.sinks))
-            attended = layer.o_proj(torch.index_select(torch.cat(outs, 1), 1, x.token_order))
+            joined = torch.index_select(torch.cat(outs, 1), 1, x.token_order)
+            attended = adapt("o", joined, layer.o_proj(joined))
             h = h + self._residual(_norm(layer.attn_post_norm, attended))
-            mlp = layer.mlp(_norm(layer.mlp_norm, h))
+            mlp = layer.mlp(_norm(layer.mlp_norm, h), adapt)
             h = h + self._residual(_norm(layer.mlp_post_norm, mlp))
             new_kv.append(qkv[:, q_heads:])  # [T, 2H, D]
         last = _take(h[0], x.logit_tokens)[None]
@@ -186,6 +198,16 @@ class DecoderStep(nn.Module):
                                x.adjust_scale, x.adjust_shift)
         new_keys, new_values = torch.stack(new_kv).transpose(1, 2).split(kv_heads, dim=1)  # [L, H, T, D] each
         return (*sampled, logits, new_keys, new_values)
+
+    def adapter_sites(self) -> dict[str, tuple[int, int]]:
+        """The projections an adapter may change, with their (in, out) features: every site but a
+        mixture's MLP (its experts are not adapted)."""
+        layer = self.layers[0]
+        linears = {"qkv": layer.qkv, "o": layer.o_proj}
+        if layer.mixture is None:
+            linears |= {"gate_up": layer.gate_up, "down": layer.down_proj}
+        return {site: (linears[site].in_features, linears[site].out_features)
+                for site in ADAPTER_SITES if site in linears}
 
     def _residual(self, x: torch.Tensor) -> torch.Tensor:
         return x * self.residual_multiplier if self.residual_multiplier != 1.0 else x
@@ -355,6 +377,13 @@ class PagedGroup(NamedTuple):
     row_of_pair: torch.Tensor | None = None  # [1, B, P] float32: 1 where pair p is row b's
 
 
+Adapt = Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]  # (site, its input, its output) -> output
+
+
+def _unadapted(site: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return y
+
+
 class StepLayer(nn.Module):
     """One decoder layer's weights as the step runs them: q, k and v as one projection, gate and
     up as another (two matrix multiplies where the checkpoint has five, and no concatenation of
@@ -381,10 +410,10 @@ class StepLayer(nn.Module):
             self.down_proj = mlp.down_proj
             self.act_fn = getattr(mlp, "act_fn", None) or mlp.activation_fn
 
-    def project(self, x: torch.Tensor, q_heads: int, kv_heads: int, dim: int) -> torch.Tensor:
+    def project(self, x: torch.Tensor, q_heads: int, kv_heads: int, dim: int, adapt: Adapt) -> torch.Tensor:
         """Queries, keys and values [T, Hq + 2H, D], the queries and keys normalised where the
         family does (before the rotary embedding, as HF does)."""
-        qkv = self.qkv(x)
+        qkv = adapt("qkv", x, self.qkv(x))
         if self.qk_norm == "all":  # over every head's dims at once
             q, k, v = qkv.split((q_heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
             qkv = torch.cat((_norm(self.q_norm, q), _norm(self.k_norm, k), v), dim=-1)
@@ -394,13 +423,16 @@ class StepLayer(nn.Module):
             qkv = torch.cat((_norm(self.q_norm, q), _norm(self.k_norm, k), v), dim=1)
         return qkv
 
-    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+    def mlp(self, x: torch.Tensor, adapt: Adapt) -> torch.Tensor:
         if self.mixture is not None:
             return self.mixture(x)
+        gate_up = adapt("gate_up", x, self.gate_up(x))
         if not self.gated:
-            return self.down_proj(self.act_fn(self.gate_up(x)))
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down_proj(self.act_fn(gate) * up)
+            hidden = self.act_fn(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            hidden = self.act_fn(gate) * up
+        return adapt("down", hidden, self.down_proj(hidden))
 
 
 def _fused_linear(*parts: nn.Linear) -> nn.Linear:

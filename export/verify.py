@@ -72,11 +72,13 @@ class SingleGroup:
 
 
 def pack(rows: list[Row], key_cache: np.ndarray, value_cache: np.ndarray, single_group: bool = False,
-         spans: tuple[int | None, int | None] = (None, None)) -> tuple[StepInputs, Held]:
+         spans: tuple[int | None, int | None] = (None, None),
+         sites: dict[str, tuple[int, int]] | None = None) -> tuple[StepInputs, Held]:
     """The step's inputs for `rows`, packed in the given order (see export/contract.py); with
     `single_group`, every row in the prefill group with one span as long as the longest row, as
     the engine packs a small step for the single-group graph. `spans`: blocks per pair of the
-    decode and the prefill group (None: the engine's cost model)."""
+    decode and the prefill group (None: the engine's cost model). `sites`: the step's adapter
+    sites, for empty adapter weights (None: the runtime adds them)."""
     block_size = key_cache.shape[3]
     decode = [] if single_group else [i for i, r in enumerate(rows) if len(r.new_ids) == 1]
     prefill = [i for i, r in enumerate(rows) if i not in decode]
@@ -119,7 +121,10 @@ def pack(rows: list[Row], key_cache: np.ndarray, value_cache: np.ndarray, single
         decode_context=decode_context, decode_pairs=decode_pairs, prefill_tokens=pre_tokens, prefill_mask=pre_mask,
         prefill_rows=prefill_rows, prefill_context=prefill_context, prefill_pairs=prefill_pairs,
         token_order=order, logit_tokens=starts[1:] - 1, sampling=sampling, single_group=single_group)
-    return inputs, Held(table.array, key_cache, value_cache)
+    held = Held(table.array, key_cache, value_cache)
+    if sites is not None:
+        held = held.without_adapters(sites, lambda shape: np.zeros(shape, key_cache.dtype))
+    return inputs, held
 
 
 def place(cache: np.ndarray, blocks: list[int], start: int, values: np.ndarray) -> None:

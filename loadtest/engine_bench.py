@@ -15,12 +15,17 @@ Sections (`--only` picks some):
   the ratio of their context sums, and the host time of a step's inputs at 64 rows of 16k
   against 64 of 256 (loadtest/long_context.py; a 32k-context model built once under results/).
 - ops: operators one decode step runs at batch 1 and 64, per runtime.
+- moe: a mixture-of-experts step against a dense one (loadtest/mixture_bench.py).
+- adapters: decode rows over 8 LoRA adapters of rank 16 against base rows, and the export with
+  adapters against the one without when no row uses one, per runtime, at 1 and 64 rows, with the
+  memory one resident adapter takes (loadtest/adapter_bench.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -39,12 +44,12 @@ from batchstring.engine.sampling_params import SamplingParams
 from batchstring.engine.sequence import Sequence
 from batchstring.engine.serving import ServingEngine
 from batchstring.export.layout import MODEL_VERSION_DIR
-from batchstring.loadtest import host_overhead, interference, long_context, mixture_bench
+from batchstring.loadtest import adapter_bench, host_overhead, interference, long_context, mixture_bench
 from batchstring.loadtest.workload import Item, mixed
 
 MODES = ("static", "continuous")
 CEILING_BATCHES = (1, 2, 4, 8, 16, 32, 64)
-SECTIONS = ("scheduling", "ceiling", "host", "vocab", "interference", "long", "ops", "moe")
+SECTIONS = ("scheduling", "ceiling", "host", "vocab", "interference", "long", "ops", "moe", "adapters")
 VOCAB = 128256  # Llama 3's vocabulary size
 
 
@@ -175,6 +180,19 @@ def vocab_model(path: Path | None) -> Path:
     return exported
 
 
+def adapter_models(checkpoint: Path | None) -> tuple[Path, Path]:
+    """`checkpoint` (default: the shipped model) exported without and with `--adapters`, built once
+    under results/."""
+    from batchstring.export.exporter import export_model
+
+    root = Path("results") / "adapters" / (checkpoint.name if checkpoint else "default_model")
+    exports = (root / "plain", root / "adapters")
+    for out, adapters in zip(exports, (False, True)):
+        if not (out / "runtime.json").exists():
+            export_model(checkpoint, out, adapters=adapters)
+    return exports
+
+
 def run(args: argparse.Namespace) -> int:
     console = Console(width=130)
     model_dir = MODEL_VERSION_DIR
@@ -236,6 +254,16 @@ def run(args: argparse.Namespace) -> int:
         bar.close()
         report_mixture(console, ratios)
         report_data["moe"] = [{**asdict(r), "ratio": r.ratio} for r in ratios]
+    if "adapters" in sections:
+        plain, adapted = adapter_models(args.adapter_model)
+        runs = [(runtime, rows) for runtime in ("onnxruntime", "torchscript") for rows in (1, adapter_bench.ROWS)]
+        bar = tqdm(total=3 * 5 * len(runs), desc="adapters vs base", unit="run", leave=False)
+        with tempfile.TemporaryDirectory(prefix="batchstring-adapters-") as scratch:
+            costs = [adapter_bench.compare(plain, adapted, runtime, Path(scratch) / f"{runtime}-{rows}", rows,
+                                           progress=bar.update) for runtime, rows in runs]
+        bar.close()
+        report_adapters(console, costs, describe_model(adapted))
+        report_data["adapters"] = [{**asdict(c), "ratio": c.ratio} for c in costs]
     if args.profile:
         console.print(host_overhead.profile_host(model_dir, out=args.profile))
         console.print(f"cProfile stats written to {args.profile} (python -m pstats {args.profile})")
@@ -332,6 +360,19 @@ def report_ops(console: Console, ops: dict[str, dict[int, int]]) -> None:
     console.print(table)
 
 
+def report_adapters(console: Console, costs: list[adapter_bench.AdapterCost], model: str) -> None:
+    table = Table(title=f"decode step past {adapter_bench.PAST} tokens a row: the export without adapters, the "
+                        f"export with them and no adapter row, every row over {adapter_bench.ADAPTERS} LoRA "
+                        f"adapters of rank {adapter_bench.RANK} (every projection); {model}; median of turns")
+    for column in ("runtime", "rows", "plain ms", "no adapter ms", "unused", "adapters ms", "ratio",
+                   "one adapter, MiB"):
+        table.add_column(column, justify="right")
+    for c in costs:
+        table.add_row(c.runtime, str(c.rows), f"{c.plain_ms:.2f}", f"{c.base_ms:.2f}", f"{c.unused:.2f}x",
+                      f"{c.adapted_ms:.2f}", f"{c.ratio:.2f}x", f"{c.adapter_bytes / 2**20:.2f}")
+    console.print(table)
+
+
 def report_host(console: Console, hosts: list[host_overhead.HostResult], model: str) -> None:
     table = Table(title=f"host vs runner time per step ({model}; {host_overhead.MAX_TOKENS} tokens per "
                         "sequence, median of 3)")
@@ -347,6 +388,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only", nargs="*", choices=SECTIONS, help="run only these sections (default: all)")
     p.add_argument("--vocab-model", type=Path, help="exported model for the vocab section (default: built)")
     p.add_argument("--long-model", type=Path, help="exported long-context model for the long section (default: built)")
+    p.add_argument("--adapter-model", type=Path,
+                   help="checkpoint for the adapters section, exported with and without adapters under results/ "
+                        "(default: the shipped one)")
     p.add_argument("--profile", type=Path, help="also cProfile the engine (top_p 0.95, batch 64) into this file")
     p.add_argument("--requests", type=int, default=192, help="items per run")
     p.add_argument("--max-num-seqs", type=int, default=64)

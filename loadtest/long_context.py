@@ -184,7 +184,7 @@ def operators(model_dir: Path, batches: tuple[int, ...] = (1, 64), past: int = 1
 def _onnx_nodes(model_dir: Path, engine: EngineCore, step) -> int:
     import onnxruntime as ort
 
-    from batchstring.export.contract import FETCHED, Held
+    from batchstring.export.contract import FETCHED
     from batchstring.export.layout import SMALL_STEP_GRAPH
 
     small = step.inputs.single_group and (model_dir / SMALL_STEP_GRAPH).exists()
@@ -195,7 +195,7 @@ def _onnx_nodes(model_dir: Path, engine: EngineCore, step) -> int:
         options.enable_profiling = True
         options.profile_file_prefix = str(Path(scratch) / "step")
         session = ort.InferenceSession(str(model_dir / graph), options, providers=["CPUExecutionProvider"])
-        session.run(FETCHED, step.inputs.feeds(Held(step.table.array, runner.keys, runner.values)))
+        session.run(FETCHED, step.inputs.feeds(runner.held(step.table.array)))
         trace = json.loads(Path(session.end_profiling()).read_text())
     return sum(1 for event in trace if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"))
 

@@ -141,6 +141,9 @@ class LocalServer:
                 "--drain-seconds", str(self.drain_seconds), *self.front_door_options]
         if self.tls:
             argv += ["--tls-cert", str(self.tls.cert), "--tls-key", str(self.tls.key)]
+        for flag, param in (("--adapters", "adapters"), ("--adapter-dir", "adapter_dir")):  # /v1 names them
+            if self.params.get(param):
+                argv += [flag, self.params[param]]
         for flag, value in (("--max-body-bytes", self.max_body_bytes), ("--max-message-bytes", self.max_message_bytes)):
             if value is not None:
                 argv += [flag, str(value)]

@@ -31,6 +31,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="serve this export (`batchstring export --out DIR`) with the repository's configs")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                    help="override an engine parameter of config.pbtxt (repeatable)")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
+                   help="serve the LoRA adapter `peft` saved in DIR as NAME (repeatable); requests choose it by name")
+    p.add_argument("--lora-dir", type=Path, metavar="DIR",
+                   help="watch DIR for adapters: each subdirectory is one, named as it is, added and removed live")
+    p.add_argument("--max-loras", type=int, metavar="N", help="adapter slots resident at once (default 8)")
     p.add_argument("--max-body-bytes", type=int, help="largest HTTP request body (default 1 MiB)")
     p.add_argument("--max-message-bytes", type=int, help="largest gRPC message (default 1 MiB)")
     p.add_argument("--tls-cert", type=Path, help="PEM certificate: serve gRPC over TLS")
@@ -62,6 +67,25 @@ def parse_params(items: list[str]) -> dict[str, str]:
         if not sep or not key:
             raise SystemExit(f"--param expects KEY=VALUE; got {item!r}")
         params[key] = value
+    return params
+
+
+def adapter_params(args: argparse.Namespace) -> dict[str, str]:
+    """--lora, --lora-dir and --max-loras as the engine's parameters (engine/config.py)."""
+    params = {}
+    named = parse_params(args.lora) if args.lora else {}
+    for name, path in named.items():
+        if "," in name or "," in path or not Path(path).is_dir():
+            raise SystemExit(f"--lora {name}={path}: give a name and the directory `peft` saved the adapter in "
+                             "(neither may contain a comma)")
+    if named:
+        params["adapters"] = ",".join(f"{name}={Path(path).resolve()}" for name, path in named.items())
+    if args.lora_dir is not None:
+        if not args.lora_dir.is_dir():
+            raise SystemExit(f"--lora-dir {args.lora_dir}: not a directory")
+        params["adapter_dir"] = str(args.lora_dir.resolve())
+    if args.max_loras is not None:
+        params["max_adapters"] = str(args.max_loras)
     return params
 
 
@@ -100,7 +124,7 @@ def export_repository(exported: Path, repository: Path, scratch: Path) -> Path:
 def _serve(args: argparse.Namespace, repository: Path, tls: TLS | None) -> int:
     server = LocalServer(config=args.config, host=args.host, repository=repository, tls=tls,
                          ports=Ports(args.http_port, args.grpc_port, args.metrics_port),
-                         params=parse_params(args.param), log_path=args.log,
+                         params={**parse_params(args.param), **adapter_params(args)}, log_path=args.log,
                          max_body_bytes=args.max_body_bytes, max_message_bytes=args.max_message_bytes,
                          front_door_options=front_door_options(args), data_dir=args.data_dir,
                          drain_seconds=args.drain_seconds)

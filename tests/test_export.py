@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from batchstring.export.exporter import torch_arguments
+from batchstring.export.exporter import onnx_adapter_sites, torch_arguments
 from batchstring.export.step import DecoderStep
 from batchstring.export.verify import VerificationError
 from tests.conftest import BATCHSTRING
@@ -71,7 +71,7 @@ def test_dynamic_axes_are_really_dynamic(exported_tiny, tiny_checkpoint):
                         Sampling(temperature=float(i % 2), uniform=0.5)))
         used += -(-past // 3)
     inputs, held = pack(rows, rng.standard_normal((2, 2, n, 3, 16)).astype(np.float32),
-                        rng.standard_normal((2, 2, n, 3, 16)).astype(np.float32))
+                        rng.standard_normal((2, 2, n, 3, 16)).astype(np.float32), sites=step.adapter_sites())
     outputs = session.run(None, inputs.feeds(held))
     with torch.no_grad():
         ref = step(*torch_arguments(inputs, held))
@@ -101,7 +101,7 @@ def test_the_small_step_graph_computes_a_small_steps_packing_as_the_full_graph_w
                 Sampling(temperature=t, uniform=0.4))
             for (past, new, start, t) in ((40, 1, 0, 0.0), (3, 5, 12, 1.0), (0, 1, 14, 0.0), (12, 2, 16, 0.8))]
     caches = [rng.standard_normal((2, 2, 25, 4, 16)).astype(np.float32) for _ in range(2)]
-    inputs, held = pack(rows, *caches, single_group=True)
+    inputs, held = pack(rows, *caches, single_group=True, sites=onnx_adapter_sites(full))
     assert inputs.decode_tokens.shape[0] == 0 and inputs.prefill_tokens.shape == (4, 5)
     ours, theirs = small.run(None, inputs.feeds(held)), full.run(None, inputs.feeds(held))
     assert (ours[0] == theirs[0]).all() and np.abs(ours[4] - theirs[4]).max() < 1e-5
@@ -220,7 +220,7 @@ def test_a_plain_greedy_step_skips_the_sampling_head_and_picks_what_the_whole_he
     logprobs_only = {"sample_rows": np.array([0]), "temperature": np.zeros(1, np.float32),
                      "top_k": np.zeros(1, np.int64), "top_p": np.ones(1, np.float32),
                      "uniform": np.ones(1, np.float32), "min_p": np.zeros(1, np.float32)}
-    inputs, held = pack(plain, *caches)
+    inputs, held = pack(plain, *caches, sites=onnx_adapter_sites(session))
     cases = [inputs, inputs.replace(**neutral), pack(banned, *caches)[0], inputs.replace(**allow_all),
              inputs.replace(**logprobs_only)]
     for i, case in enumerate(cases):

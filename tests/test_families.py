@@ -72,7 +72,8 @@ def test_each_familys_step_reproduces_the_hf_forward_and_generate(model_type, tm
     model = tiny_model(model_type)
     step = DecoderStep(model, [EOS]).eval()
     artifacts.write_torchscript(step, tmp_path / "model.pt")
-    runtimes = {"eager step": _eager(step), "torchscript": torchscript_step(tmp_path / "model.pt", step.dtype)}
+    runtimes = {"eager step": _eager(step), "torchscript": torchscript_step(tmp_path / "model.pt", step.dtype,
+                                                                                   step.adapter_sites())}
     cases = verify_logits(model, runtimes, [EOS])
     greedy = verify_greedy(model, lambda text: list(text.encode()), [EOS], runtimes)
     worst = report(_NullConsole(), cases, greedy)  # raises past the tolerance or on any greedy difference

@@ -362,7 +362,8 @@ def test_a_16_bit_step_over_one_long_span_stays_finite(long_checkpoint):
     blocks, size = 256, 16
     keys = np.zeros((2, 2, blocks, size, 16), np.float16)
     values = np.full_like(keys, 100.0)
-    inputs, held = pack([Row([5], list(range(blocks)), blocks * size)], keys, values, spans=(blocks, blocks))
+    inputs, held = pack([Row([5], list(range(blocks)), blocks * size)], keys, values, spans=(blocks, blocks),
+                        sites=step.adapter_sites())
     assert inputs.decode_pairs.shape[:2] == (1, blocks), "one pair spans the whole past"
     with torch.no_grad():
         outputs = step(*torch_arguments(inputs, held))

@@ -29,7 +29,7 @@ from batchstring.engine.errors import InvalidRequest
 from batchstring.engine.grammar import only_tokens
 from batchstring.engine.runner import OnnxRunner, RuntimeSpec
 from batchstring.engine.sampling_params import SamplingParams, parse_sampling_parameters
-from batchstring.export.contract import FETCHED, Held, SamplingInputs
+from batchstring.export.contract import FETCHED, SamplingInputs
 from batchstring.server.stats import metrics
 from tests.conftest import metric_reaches
 from tests.engine_helpers import Collector, engine
@@ -82,7 +82,7 @@ class LogitsRunner(OnnxRunner):
         return super().step(batch)
 
     def _run(self, inputs, table):
-        out = self.session.run([*FETCHED, "logits"], inputs.feeds(Held(table.array, self.keys, self.values)))
+        out = self.session.run([*FETCHED, "logits"], inputs.feeds(self.held(table.array)))
         self.steps.append((self._sampling, self._rows, out[-1], out[0]))
         return out[:-1]
 

@@ -34,6 +34,7 @@ from batchstring.frontdoor.gateway.auth import ApiKeys
 from batchstring.frontdoor.gateway.health import Drain
 from batchstring.frontdoor.gateway.http import Upstream, make_app, make_metrics_app
 from batchstring.frontdoor.gateway.limits import Limits
+from batchstring.frontdoor.openai_api.adapters import AdapterNames
 from batchstring.frontdoor.openai_api.chat import ChatTemplate
 from batchstring.frontdoor.openai_api.routes import OpenAIRoutes
 
@@ -61,6 +62,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-openai", action="store_true", help="do not serve the OpenAI-compatible /v1 routes")
     p.add_argument("--served-model-name", default=MODEL, help="the model name of the /v1 routes (default: %(default)s)")
     p.add_argument("--model-dir", type=Path, help="the exported model directory (its chat template, if any)")
+    p.add_argument("--adapters", default="", metavar="NAME=DIR,...",
+                   help="the engine's configured LoRA adapters (engine parameter adapters): /v1 names them as models")
+    p.add_argument("--adapter-dir", type=Path, help="the engine's watched adapter directory (parameter adapter_dir)")
     p.add_argument("--chat-template", type=Path, help="a Jinja chat template file, instead of the model's own")
     p.add_argument("--api-key-file", type=Path,
                    help="require one of these API keys (one per line) on every inference route; keys may also "
@@ -108,7 +112,7 @@ async def run(args: argparse.Namespace) -> int:
     if not args.no_openai:  # requests go to Triton's gRPC socket through the batchstring client
         client = AsyncBatchClient(args.triton_grpc, max_in_flight=4096, max_message_bytes=limits.max_message_bytes)
         openai = OpenAIRoutes(client, args.served_model_name, ChatTemplate.find(args.model_dir, args.chat_template),
-                              keys)
+                              keys, AdapterNames(args.adapters, args.adapter_dir))
     drain = Drain()
     http_app = make_app(upstream, limits, openai, keys, drain)
     batches = None if openai is None else _batch_api(args, openai, keys, lambda: drain.pending)

@@ -31,6 +31,7 @@ from batchstring.client import openai_format as fmt
 from batchstring.client.protocol import Piece
 from batchstring.frontdoor.gateway.auth import ApiKeys
 from batchstring.frontdoor.gateway.tenants import cache_salt, owner
+from batchstring.frontdoor.openai_api.adapters import AdapterNames
 from batchstring.frontdoor.openai_api.chat import ChatTemplate
 
 MAX_PROMPTS = 256  # prompts in one completion request (each is one request to Triton)
@@ -79,11 +80,12 @@ class Request:
 
 class OpenAIRoutes:
     def __init__(self, client: AsyncBatchClient, model_name: str, chat: ChatTemplate | None,
-                 keys: ApiKeys | None = None) -> None:
+                 keys: ApiKeys | None = None, adapters: AdapterNames | None = None) -> None:
         self.client = client
         self.model_name = model_name
         self.chat = chat
         self.keys = keys or ApiKeys([])
+        self.adapters = adapters or AdapterNames()
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_get("/v1/models", self.models)
@@ -94,7 +96,8 @@ class OpenAIRoutes:
 
     async def models(self, request: web.Request) -> web.Response:
         card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "batchstring"}
-        return web.json_response({"object": "list", "data": [card]})
+        adapters = [{**card, "id": name, "root": name, "parent": self.model_name} for name in self.adapters()]
+        return web.json_response({"object": "list", "data": [card, *adapters]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=False)
@@ -120,8 +123,10 @@ class OpenAIRoutes:
     def parse(self, body: dict, chat: bool) -> Request:
         """A completion or chat body, validated (the /v1 routes and the Batch API's lines read it alike)."""
         model = body.get("model")
-        if model != self.model_name:
-            raise ApiError(404, f"model {model!r} does not exist here; this server serves {self.model_name!r} "
+        adapters = [] if model == self.model_name else self.adapters()
+        if model != self.model_name and model not in adapters:
+            served = ", ".join(repr(name) for name in [self.model_name, *adapters])
+            raise ApiError(404, f"model {model!r} does not exist here; this server serves {served} "
                                 "(GET /v1/models)", "model", "model_not_found")
         try:
             n = fmt.choices_per_prompt(body)
@@ -135,7 +140,7 @@ class OpenAIRoutes:
         prompts = [p for p in prompts for _ in range(n)]
         # OpenAI's defaults: 16 tokens for completions (chat: the model's), temperature 1
         options = {"max_tokens": None if chat else 16, "temperature": 1.0, **sampling,
-                   "cache_salt": body.get("cache_salt")}
+                   "cache_salt": body.get("cache_salt"), "adapter": None if model == self.model_name else model}
         if not isinstance(options["cache_salt"], str | None):
             raise ApiError(400, "cache_salt must be a string", "cache_salt")
         stream = body.get("stream") or False
@@ -167,13 +172,17 @@ class OpenAIRoutes:
         failures = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
         if failures:
             raise ApiError.of(*failures[0], many=len(results) > 1)
-        return fmt.completion(self.model_name, results, req.chat, req.prompts if req.echo else None)
+        return fmt.completion(self._model(req), results, req.chat, req.prompts if req.echo else None)
+
+    def _model(self, req: Request) -> str:
+        """The model a response names: the adapter the request chose, or the base model."""
+        return req.options.get("adapter") or self.model_name
 
     async def _stream(self, request: web.Request, req: Request) -> web.StreamResponse:
         """Server-sent events, one per generated piece of any prompt, then usage and [DONE]."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-        head = fmt.head(self.model_name, req.chat)
+        head = fmt.head(self._model(req), req.chat)
         if req.chat:  # a streamed chat answer comes in chunks of its own kind
             head["object"] = "chat.completion.chunk"
         usage = []

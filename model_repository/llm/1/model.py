@@ -82,7 +82,7 @@ class TritonPythonModel:
             try:
                 ticket.seq = self._sequence(request, ticket, group)
             except InvalidRequest as exc:
-                _refuse(sender, str(exc), "INVALID_ARG")
+                _refuse(sender, str(exc), getattr(exc, "code", "INVALID_ARG"))
             except Exception as exc:  # a bug must fail this request alone, never its batch-mates
                 _refuse(sender, f"internal error while reading the request: {type(exc).__name__}: {exc}", "INTERNAL")
             else:
@@ -129,6 +129,7 @@ class TritonPythonModel:
             deadline=time.monotonic() + deadline_us / 1e6 if isinstance(deadline_us, int) and deadline_us > 0 else None,
             cache_salt=_cache_salt(request),
             priority=_priority(request_parameters),
+            adapter=_adapter(request_parameters),
         )
 
     def _broken(self, why: str) -> None:
@@ -151,6 +152,16 @@ def _priority(request_parameters: dict) -> int:
     Triton keeps its reserved `priority` parameter to itself): 1 interactive, 2 background."""
     level = request_parameters.get("engine_priority", 1)
     return level if isinstance(level, int) and level >= 1 else 1
+
+
+def _adapter(request_parameters: dict) -> str | None:
+    """The request's `adapter` parameter: the name of a served LoRA adapter (absent: the base model)."""
+    name = request_parameters.get("adapter")
+    if name is None or name == "":
+        return None
+    if not isinstance(name, str):
+        raise InvalidRequest(f"parameter adapter must be a string, the name of a served LoRA adapter; got {name!r}")
+    return name
 
 
 def _cache_salt(request) -> bytes:

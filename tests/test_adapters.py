@@ -258,6 +258,36 @@ def test_a_server_mixes_adapters_and_the_base_in_its_batches_by_request_paramete
         api.completions.create(model="nope", prompt="x", max_tokens=2)
 
 
+def test_each_line_of_a_batch_runs_with_the_model_it_names(served):
+    """The Batch API: a file whose lines name the base model and two adapters; each line's text is
+    its own model's."""
+    import json
+    import time
+
+    import openai
+
+    api = openai.OpenAI(base_url=f"http://{served.http_url}/v1", api_key="unused", max_retries=0)
+    models = ["llm", "attn", "all"]
+    lines = [{"custom_id": f"{model}-{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": model, "prompt": prompt, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}}
+             for model in models for i, prompt in enumerate(PROMPTS)]
+    uploaded = api.files.create(file=("lines.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()),
+                                purpose="batch")
+    batch = api.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+    deadline = time.monotonic() + 120
+    while (batch := api.batches.retrieve(batch.id)).status not in ("completed", "failed", "expired", "cancelled"):
+        assert time.monotonic() < deadline, batch.request_counts
+        time.sleep(0.3)
+    assert batch.status == "completed", batch
+    text = api.files.content(batch.output_file_id).text
+    out = {line["custom_id"]: line for line in map(json.loads, text.splitlines())}
+    for model in models:
+        for i, prompt in enumerate(PROMPTS):
+            body = out[f"{model}-{i}"]["response"]["body"]
+            expected = expected_text(served.checkpoint, served.adapters.get(model), prompt)
+            assert body["model"] == model and body["choices"][0]["text"] == expected, (model, prompt)
+
+
 def test_adapters_come_and_go_with_the_watched_directory_and_a_broken_one_is_refused_alone(served):
     import time
 

@@ -287,7 +287,8 @@ class BatchRunner:
             result = exc
         finally:
             self.admission.release()
-        answer = json.dumps(output_line(line.item, result, self.routes.model_name, line.chat), ensure_ascii=False)
+        model = line.item.options.get("adapter") or self.routes.model_name  # the model the line named
+        answer = json.dumps(output_line(line.item, result, model, line.chat), ensure_ascii=False)
         good = isinstance(result, Completion)
         await asyncio.to_thread(self.store.record, row["id"], [(line.item.line, good, answer)])
 

@@ -64,10 +64,14 @@ def merged_greedy(checkpoint: Path, adapter: Path | None, prompt_ids: list[int],
     return ids[len(prompt_ids):]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+         "up_proj": "gate_up_proj"}  # Phi-3's checkpoints fuse these: PEFT targets the fused modules
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3", "phi3"])
 def adapted(request, tmp_path_factory) -> tuple[Path, Path, dict[str, Path]]:
-    """(checkpoint, export with the TorchScript step, adapters by name) of a family: Llama, and
-    Qwen3 (q/k norms after the adapted projection)."""
+    """(checkpoint, export with the TorchScript step, adapters by name) of a family: Llama, Qwen3
+    (q/k norms after the adapted projection) and Phi-3 (fused q/k/v and gate/up modules)."""
     from batchstring.export import artifacts
     from batchstring.export.exporter import decoder_step, load_checkpoint, write_model_files
 
@@ -80,8 +84,11 @@ def adapted(request, tmp_path_factory) -> tuple[Path, Path, dict[str, Path]]:
     artifacts.write_torchscript(step, out / "model.pt")
     write_model_files(step, model, eos, checkpoint, out)
     root = tmp_path_factory.mktemp(f"{family}-adapters")
-    adapters = {name: make_adapter(checkpoint, root / name, seed, **lora)
-                for seed, (name, lora) in enumerate(ADAPTERS.items())}
+    adapters = {}
+    for seed, (name, lora) in enumerate(ADAPTERS.items()):
+        if family == "phi3":
+            lora = {**lora, "target_modules": sorted({FUSED.get(m, m) for m in lora["target_modules"]})}
+        adapters[name] = make_adapter(checkpoint, root / name, seed, **lora)
     return checkpoint, out, adapters
 
 
@@ -138,10 +145,11 @@ def test_adapter_rows_keep_their_tokens_through_preemption_drafts_seeds_and_gram
 
     _, exported, adapters = adapted
     names = [None, *adapters]
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)  # long enough to repeat itself: drafts
     seeded = SamplingParams(max_tokens=TOKENS, temperature=0.9, seed=7, ignore_eos=True)
     regex = parse_sampling_parameters(json.dumps({"max_tokens": TOKENS, "temperature": 0, "regex": "(ab|cd)+x"}),
                                       256, 16)
-    requests = [(p, name, params) for p in PROMPTS for name in names for params in (GREEDY, seeded, regex)]
+    requests = [(p, name, params) for p in PROMPTS for name in names for params in (long, seeded, regex)]
 
     def run(eng) -> list[list[int]]:
         seqs = [eng.make_sequence(prompt, params, lambda o: None, adapter=name) for prompt, name, params in requests]

@@ -243,6 +243,7 @@ def expected_text(checkpoint: Path, adapter: Path | None, prompt: str) -> str:
 
 def test_a_server_mixes_adapters_and_the_base_in_its_batches_by_request_parameter_and_by_model(served):
     import concurrent.futures
+    import json
 
     import openai
 
@@ -257,6 +258,12 @@ def test_a_server_mixes_adapters_and_the_base_in_its_batches_by_request_paramete
             assert call.result() == [expected_text(checkpoint, choices[name], p) for p in PROMPTS], name
         (unknown,) = client.batchstring(["x"], adapter="nope", return_exceptions=True)
         assert isinstance(unknown, NotFound) and "'nope' is not served here; served adapters: all, attn" in str(unknown)
+    from tests.test_claims import http_json
+
+    generated = json.loads(http_json(f"http://{served.http_url}/v2/models/llm/generate",  # Triton's HTTP
+                                     {"text_input": PROMPTS[2], "adapter": "all", "max_tokens": TOKENS,
+                                      "temperature": 0, "ignore_eos": True}))
+    assert generated["text_output"] == PROMPTS[2] + expected_text(checkpoint, adapters["all"], PROMPTS[2])
     api = openai.OpenAI(base_url=f"http://{served.http_url}/v1", api_key="unused", max_retries=0)
     assert [m.id for m in api.models.list().data] == ["llm", "all", "attn"]
     done = api.completions.create(model="attn", prompt=PROMPTS[0], max_tokens=TOKENS, temperature=0,

@@ -136,8 +136,9 @@ def onnx_step(path: Path, dtype: str) -> StepFn:
     sites = onnx_adapter_sites(session)
 
     def run(inputs: StepInputs, held: Held):
-        cast = held._replace(key_cache=held.key_cache.astype(dtype), value_cache=held.value_cache.astype(dtype))
-        cast = cast.without_adapters(sites, lambda shape: np.zeros(shape, dtype))
+        adapters = None if held.adapters is None else AdapterWeights(*(w.astype(dtype) for w in held.adapters))
+        cast = held._replace(key_cache=held.key_cache.astype(dtype), value_cache=held.value_cache.astype(dtype),
+                             adapters=adapters).without_adapters(sites, lambda shape: np.zeros(shape, dtype))
         return tuple(o.astype("float32") if o.dtype.kind == "f" else o for o in session.run(None, inputs.feeds(cast)))
 
     return run

@@ -4,6 +4,7 @@ adapters and the base mixed in one step, in both runtimes and through a real ser
 
 from __future__ import annotations
 
+import functools
 import re
 import shutil
 import subprocess
@@ -47,21 +48,33 @@ def make_adapter(checkpoint: Path, out: Path, seed: int, **lora) -> Path:
     return out
 
 
-def merged_greedy(checkpoint: Path, adapter: Path | None, prompt_ids: list[int], vocab: int) -> list[int]:
-    """Greedy tokens of the base model, or of `peft`'s merge of it with `adapter`, over the ids the
-    step samples from (the tokenizer's)."""
+@functools.cache
+def merged_model(checkpoint: Path, adapter: Path | None):
+    """The base model, or `peft`'s merge of it with `adapter` (the files a test made; never changed)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager")
     if adapter is not None:
         model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    return model.eval()
+
+
+@functools.cache
+def _merged_greedy(checkpoint: Path, adapter: Path | None, prompt_ids: tuple[int, ...], vocab: int) -> list[int]:
+    model = merged_model(checkpoint, adapter)
     ids = list(prompt_ids)
     with torch.no_grad():
         for _ in range(TOKENS):
-            logits = model.eval()(torch.tensor([ids])).logits[0, -1, :vocab]
+            logits = model(torch.tensor([ids])).logits[0, -1, :vocab]
             ids.append(int(logits.argmax()))
     return ids[len(prompt_ids):]
+
+
+def merged_greedy(checkpoint: Path, adapter: Path | None, prompt_ids: list[int], vocab: int) -> list[int]:
+    """Greedy tokens of the base model, or of `peft`'s merge of it with `adapter`, over the ids the
+    step samples from (the tokenizer's)."""
+    return list(_merged_greedy(checkpoint, adapter, tuple(prompt_ids), vocab))
 
 
 FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
@@ -135,6 +148,7 @@ def test_more_adapters_than_slots_wait_for_a_slot_and_two_adapters_never_share_c
     assert set(seqs[-1].block_keys) == by_name["attn"], "the same prompt under the same adapter shares its blocks"
 
 
+@pytest.mark.parametrize("adapted", ["llama"], indirect=True)  # the mechanisms are the engine's, not a family's
 def test_adapter_rows_keep_their_tokens_through_preemption_drafts_seeds_and_grammars(adapted):
     """A cache too small for every row (preemption and recomputation), n-gram drafts on repetitive
     prompts, seeded sampling and a grammar, on rows of several adapters: each row's tokens are
@@ -167,6 +181,7 @@ def test_adapter_rows_keep_their_tokens_through_preemption_drafts_seeds_and_gram
                for out, (_, _, params) in zip(alone, requests) if params is regex)
 
 
+@pytest.mark.parametrize("adapted", ["llama"], indirect=True)
 def test_an_adapter_that_does_not_fit_the_model_is_refused_with_what_differs(adapted, tmp_path):
     from batchstring.engine.adapters import AdapterError, BaseShape, UnknownAdapter, load_adapter
     from batchstring.engine.runner import RuntimeSpec

@@ -221,12 +221,12 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """A tiny Llama's step exported with adapters (both ONNX graphs, traced here; `batchstring
-    export` verifies the same step), served by `batchstring serve --model --lora --lora-dir` with
-    one configured adapter and a watched directory holding another."""
+    """A tiny Llama's step exported with adapters (the ONNX graph traced here, without the small-step
+    graph, whose adapter code is the same; `batchstring export` verifies the same step), served by
+    `batchstring serve --model --lora --lora-dir` with one configured adapter and a watched
+    directory holding another."""
     from batchstring.export import artifacts
     from batchstring.export.exporter import decoder_step, load_checkpoint, write_model_files
-    from batchstring.export.layout import SMALL_STEP_GRAPH
 
     root = tmp_path_factory.mktemp("served")
     checkpoint = random_checkpoint(root / "checkpoint", tiny_family_config("llama"), seed=3)
@@ -235,7 +235,6 @@ def served(tmp_path_factory):
     model = load_checkpoint(checkpoint)
     step, eos = decoder_step(model, checkpoint, adapters=True)
     artifacts.write_onnx(step, exported / "model.onnx")
-    artifacts.write_onnx(step.as_single_group(), exported / SMALL_STEP_GRAPH)
     write_model_files(step, model, eos, checkpoint, exported)
     adapters = {name: make_adapter(checkpoint, root / "made" / name, seed, **lora)
                 for seed, (name, lora) in enumerate(ADAPTERS.items())}

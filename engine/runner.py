@@ -25,7 +25,16 @@ from batchstring.engine.block_table import BlockTable
 from batchstring.engine.cores import available_cores
 from batchstring.engine.cuda_graph_padding import PaddedStep, pad_decode
 from batchstring.engine.memory import small_step_graph
-from batchstring.export.contract import FETCHED, INPUT_NAMES, OUTPUT_NAMES, AdapterWeights, Held, StepInputs, arguments
+from batchstring.export.contract import (
+    FETCHED,
+    INPUT_NAMES,
+    OUTPUT_NAMES,
+    AdapterWeights,
+    Held,
+    StepInputs,
+    arguments,
+    no_adapters,
+)
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -103,14 +112,20 @@ class PagedCacheRunner:
     adapters: AdapterSlots | None = None  # the engine's, when it serves adapters
     _adapter_version: int = -1
     _adapter_weights: AdapterWeights | None = None
+    _no_adapters: AdapterWeights | None = None
 
     def held(self, table, adapters: bool = True) -> Held:
-        """The held inputs with `table` as the runtime takes it; `adapters` False: none resident."""
+        """The held inputs with `table` as the runtime takes it; `adapters` False: none resident.
+        Per step this is a version check: the runtime's arrays are made when the set changes."""
         slots = self.adapters if adapters else None
         if slots is not None and slots.version != self._adapter_version:
             self._adapter_weights, self._adapter_version = slots.weights(self._device_array), slots.version
         weights = self._adapter_weights if slots is not None else None
-        return Held(table, self.keys, self.values, weights).without_adapters(self.spec.adapter_sites, self._zeros)
+        if weights is None:
+            if self._no_adapters is None:
+                self._no_adapters = no_adapters(self.spec.adapter_sites, self.spec.num_layers, self._zeros)
+            weights = self._no_adapters
+        return Held(table, self.keys, self.values, weights)
 
     def _device_array(self, array: np.ndarray):
         """A host array as the runtime's held input (numpy here; a tensor on the device for torch)."""

@@ -10,7 +10,8 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -128,6 +129,41 @@ def descendants_after(grace: float) -> list[psutil.Process]:
         if not alive or time.monotonic() >= deadline:
             return alive
         time.sleep(0.1)
+
+
+Recipe = Callable[[Path], list[str]]  # makes an export's inputs in a directory; returns the command that exports them
+RECIPES: dict[str, tuple[Recipe, str, dict]] = {}
+
+
+def export_recipe(name: str, recipe: Recipe, **params) -> None:
+    """Registers an export the recipe's module reads (made by the `exports` fixture), needed when a
+    selected test of that module runs with `params` among its parameters (none given: any test)."""
+    RECIPES[name] = (recipe, recipe.__module__, params)
+
+
+@pytest.fixture(scope="session")
+def exports(request, tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """name -> (its directory, the export command's result) for every registered export a selected
+    test needs, all made when the first is asked for, two at a time: an export traces in
+    single-threaded Python for most of its time, and two tiny families' exports side by side took
+    86 s on CI's two cores where one after the other took 131 s (four at once: 207 s)."""
+    selected = [(item.module.__name__, item.callspec.params if hasattr(item, "callspec") else {})
+                for item in request.session.items]
+    wanted = [name for name, (_, module, needs) in RECIPES.items()
+              if any(at == module and needs.items() <= params.items() for at, params in selected)]
+    roots = {name: tmp_path_factory.mktemp(name) for name in wanted}
+    commands = {name: RECIPES[name][0](roots[name]) for name in wanted}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        running = {name: pool.submit(subprocess.run, argv, capture_output=True, text=True, timeout=600)
+                   for name, argv in commands.items()}
+        return {name: (roots[name], done.result()) for name, done in running.items()}
+
+
+def made(exports: dict, name: str) -> tuple[Path, str]:
+    """Export `name`'s directory and what its command printed, once it is known to have succeeded."""
+    root, result = exports[name]
+    assert result.returncode == 0, result.stdout + result.stderr
+    return root, result.stdout
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ import torch
 
 from batchstring.engine.sampling_params import SamplingParams
 from batchstring.export.synthetic import random_checkpoint, tiny_family_config
-from tests.conftest import BATCHSTRING, serve, stop
+from tests.conftest import BATCHSTRING, export_recipe, made, serve, stop
 from tests.engine_helpers import engine
 
 TOKENS = 12
@@ -219,23 +219,24 @@ class Served:
     exported: Path
 
 
+def adapters_recipe(root: Path) -> list[str]:
+    """`batchstring export --adapters` of a tiny Llama (tests/conftest.py: exports)."""
+    checkpoint = random_checkpoint(root / "checkpoint", tiny_family_config("llama"), seed=3)
+    return [*BATCHSTRING, "export", "--model", str(checkpoint), "--out", str(root / "export"), "--adapters",
+            "--dtype", "float32"]
+
+
+export_recipe("adapters", adapters_recipe)
+
+
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """A tiny Llama's step exported with adapters (the ONNX graph traced here, without the small-step
-    graph, whose adapter code is the same; `batchstring export` verifies the same step), served by
+def served(exports):
+    """A tiny Llama exported by `batchstring export --adapters` (both graphs verified), served by
     `batchstring serve --model --lora --lora-dir` with one configured adapter and a watched
     directory holding another."""
-    from batchstring.export import artifacts
-    from batchstring.export.exporter import decoder_step, load_checkpoint, write_model_files
-
-    root = tmp_path_factory.mktemp("served")
-    checkpoint = random_checkpoint(root / "checkpoint", tiny_family_config("llama"), seed=3)
-    exported = root / "export"
-    exported.mkdir()
-    model = load_checkpoint(checkpoint)
-    step, eos = decoder_step(model, checkpoint, adapters=True)
-    artifacts.write_onnx(step, exported / "model.onnx")
-    write_model_files(step, model, eos, checkpoint, exported)
+    root, stdout = made(exports, "adapters")
+    assert "onnxruntime, small steps: greedy identical" in " ".join(stdout.split())
+    checkpoint, exported = root / "checkpoint", root / "export"
     adapters = {name: make_adapter(checkpoint, root / "made" / name, seed, **lora)
                 for seed, (name, lora) in enumerate(ADAPTERS.items())}
     watched = root / "watched"

@@ -4,39 +4,63 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from batchstring.export.exporter import onnx_adapter_sites, torch_arguments
+from batchstring.export.layout import DEFAULT_MODEL_DIR
 from batchstring.export.step import DecoderStep
 from batchstring.export.verify import VerificationError
-from tests.conftest import BATCHSTRING
+from tests.conftest import BATCHSTRING, export_recipe, made
 
 
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory, model_dir):
+def make_tiny_checkpoint(path: Path) -> Path:
     """2 layers, hidden 64, grouped-query attention (4 query heads, 2 kv heads), random weights."""
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    path = tmp_path_factory.mktemp("tiny-llama")
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          eos_token_id=0, bos_token_id=0)
     LlamaForCausalLM(config).save_pretrained(path)
-    PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json")).save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_file=str(DEFAULT_MODEL_DIR / "tokenizer.json")).save_pretrained(path)
     return path
 
 
+def tiny_recipe(root: Path) -> list[str]:
+    """The default export of `make_tiny_checkpoint` (tests/conftest.py: exports)."""
+    checkpoint = make_tiny_checkpoint(root / "checkpoint")
+    return [*BATCHSTRING, "export", "--model", str(checkpoint), "--out", str(root / "export")]
+
+
+def llama3_style_recipe(root: Path) -> list[str]:
+    """`make_tiny_checkpoint` with a Llama-3-style generation config (several EOS ids, sampling
+    defaults) exported in bfloat16 into a directory an earlier float32 export left a small-step
+    graph in."""
+    checkpoint = make_tiny_checkpoint(root / "checkpoint")
+    (checkpoint / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [0, 5, 7], "bos_token_id": 0, "do_sample": True, "temperature": 0.6, "top_p": 0.9}))
+    (root / "export").mkdir()
+    (root / "export" / "model.small.onnx").write_bytes(b"an earlier float32 export's small-step graph")
+    return [*BATCHSTRING, "export", "--model", str(checkpoint), "--out", str(root / "export"), "--dtype", "bfloat16"]
+
+
+export_recipe("tiny", tiny_recipe)
+export_recipe("tiny-bfloat16", llama3_style_recipe)
+
+
 @pytest.fixture(scope="module")
-def exported_tiny(tiny_checkpoint, tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny-export")
-    result = subprocess.run([*BATCHSTRING, "export", "--model", str(tiny_checkpoint), "--out", str(out)],
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return out, result.stdout
+def exported_tiny(exports) -> tuple[Path, str]:
+    root, stdout = made(exports, "tiny")
+    return root / "export", stdout
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(exported_tiny) -> Path:
+    return exported_tiny[0].parent / "checkpoint"
 
 
 def test_export_writes_the_repository_files_and_prints_the_table(exported_tiny):
@@ -145,29 +169,18 @@ class _NullConsole:
         raise AssertionError("not used")
 
 
-def test_a_bfloat16_export_records_its_dtype_the_checkpoints_eos_ids_and_sampling_defaults(tiny_checkpoint,
-                                                                                           tmp_path):
-    import shutil
-
+def test_a_bfloat16_export_records_its_dtype_the_checkpoints_eos_ids_and_sampling_defaults(exports):
     from batchstring.engine.config import EngineConfig
     from batchstring.engine.core import EngineCore
     from batchstring.engine.sampling_params import SamplingParams
 
-    source = tmp_path / "llama3-style"
-    shutil.copytree(tiny_checkpoint, source)
-    (source / "generation_config.json").write_text(json.dumps(
-        {"eos_token_id": [0, 5, 7], "bos_token_id": 0, "do_sample": True, "temperature": 0.6, "top_p": 0.9}))
-    out = tmp_path / "export"
-    out.mkdir()
-    (out / "model.small.onnx").write_bytes(b"an earlier float32 export's small-step graph")
-    result = subprocess.run([*BATCHSTRING, "export", "--model", str(source), "--out", str(out),
-                             "--dtype", "bfloat16"], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
+    root, stdout = made(exports, "tiny-bfloat16")
+    out = root / "export"
+    text = " ".join(stdout.split())
     assert not (out / "model.small.onnx").exists(), "a 16-bit export (for GPUs) has none, and leaves no stale one"
     spec = json.loads((out / "runtime.json").read_text())
     assert spec["dtype"] == "bfloat16" and spec["eos_token_ids"] == [0, 5, 7]
     assert spec["sampling_defaults"]["temperature"] == 0.6 and spec["sampling_defaults"]["top_p"] == 0.9
-    text = " ".join(result.stdout.split())
     assert "HF itself" in text and "at least 0.05" in text and "greedy identical for" in text
     assert "structure was checked" in text, "ONNX Runtime's CPU provider has no bfloat16 kernels: checked structurally"
     engine = EngineCore(EngineConfig(model_dir=out, runtime="torchscript", kv_cache_tokens=1024))

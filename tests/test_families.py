@@ -21,7 +21,7 @@ import torch
 
 from batchstring.export.family import FAMILIES, UnsupportedModel, family_of
 from batchstring.export.synthetic import FAMILY_OPTIONS, random_checkpoint, tiny_family_config
-from tests.conftest import BATCHSTRING, start_server
+from tests.conftest import BATCHSTRING, export_recipe, made, start_server
 from tests.test_export import _NullConsole
 
 EOS = 0
@@ -141,29 +141,44 @@ def test_rope_that_changes_with_the_sequence_is_refused():
 # ----- exported and served ---------------------------------------------------------------------
 
 
+SIXTEEN_BITS = [("gemma2", "float16"), ("mixtral", "bfloat16")]
+
+
+def family_recipe(model_type: str, dtype: str, seed: int):
+    """`batchstring export --dtype dtype` of a tiny random `model_type` (tests/conftest.py: exports)."""
+    def recipe(root: Path) -> list[str]:
+        checkpoint = random_checkpoint(root / "checkpoint", tiny_family_config(model_type), seed=seed)
+        return [*BATCHSTRING, "export", "--model", str(checkpoint), "--out", str(root / "export"), "--dtype", dtype]
+    return recipe
+
+
+for served in SERVED:
+    export_recipe(f"{served}-float32", family_recipe(served, "float32", seed=1), family_export=served)
+for sixteen, bits in SIXTEEN_BITS:
+    export_recipe(f"{sixteen}-{bits}", family_recipe(sixteen, bits, seed=2), model_type=sixteen, dtype=bits)
+
+
 @pytest.fixture(scope="module", params=SERVED + SERVED_BY_TORCHSCRIPT)
-def family_export(request, tmp_path_factory) -> tuple[str, Path, Path, dict[str, str]]:
+def family_export(request, exports, tmp_path_factory) -> tuple[str, Path, Path, dict[str, str]]:
     """(model_type, checkpoint, export, the engine's parameters): `batchstring export` and ONNX
     Runtime for SERVED; for the others, the TorchScript step and the model files written in
     process (verified in process above), served by TorchScript: tracing ONNX takes ~45 s a family."""
     model_type = request.param
-    checkpoint = tmp_path_factory.mktemp(f"{model_type}-checkpoint")
-    random_checkpoint(checkpoint, tiny_family_config(model_type), seed=1)
-    out = tmp_path_factory.mktemp(f"{model_type}-export")
     if model_type in SERVED_BY_TORCHSCRIPT:
         from batchstring.export import artifacts
         from batchstring.export.exporter import decoder_step, load_checkpoint, write_model_files
 
+        checkpoint = tmp_path_factory.mktemp(f"{model_type}-checkpoint")
+        random_checkpoint(checkpoint, tiny_family_config(model_type), seed=1)
+        out = tmp_path_factory.mktemp(f"{model_type}-export")
         model = load_checkpoint(checkpoint)
         step, eos = decoder_step(model, checkpoint)
         artifacts.write_torchscript(step, out / "model.pt")
         write_model_files(step, model, eos, checkpoint, out)
         return model_type, checkpoint, out, {"runtime": "torchscript"}
-    result = subprocess.run([*BATCHSTRING, "export", "--model", str(checkpoint), "--out", str(out),
-                             "--dtype", "float32"], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert f"{model_type}:" in result.stdout and "onnxruntime" in result.stdout
-    return model_type, checkpoint, out, {}
+    root, stdout = made(exports, f"{model_type}-float32")
+    assert f"{model_type}:" in stdout and "onnxruntime" in stdout
+    return model_type, root / "checkpoint", root / "export", {}
 
 
 def test_a_familys_greedy_tokens_through_a_real_server_equal_hf_generate(request, family_export, tmp_path_factory):
@@ -260,15 +275,12 @@ def test_blocks_outside_every_window_are_given_up_and_the_tokens_stay_hfs(family
         assert max(held) <= eng.spec.window // 4 + 3 < total, (held, total)
 
 
-@pytest.mark.parametrize(("model_type", "dtype"), [("gemma2", "float16"), ("mixtral", "bfloat16")])
-def test_a_family_exports_in_16_bits(model_type, dtype, tmp_path):
+@pytest.mark.parametrize(("model_type", "dtype"), SIXTEEN_BITS)
+def test_a_family_exports_in_16_bits(model_type, dtype, exports):
     """`batchstring export --dtype` 16 bits: soft-caps in float16 (ONNX Runtime runs it here),
     experts in bfloat16 (the ONNX graph checked structurally; TorchScript run)."""
-    checkpoint = random_checkpoint(tmp_path / "checkpoint", tiny_family_config(model_type), seed=2)
-    result = subprocess.run([*BATCHSTRING, "export", "--model", str(checkpoint), "--out", str(tmp_path / "out"),
-                             "--dtype", dtype], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "exported and verified" in result.stdout and "torchscript" in result.stdout
-    said = " ".join(result.stdout.split())
+    _, stdout = made(exports, f"{model_type}-{dtype}")
+    assert "exported and verified" in stdout and "torchscript" in stdout
+    said = " ".join(stdout.split())
     assert ("onnxruntime: greedy" in said) == (dtype == "float16")
     assert ("structure was checked" in said) == (dtype == "bfloat16")

@@ -11,7 +11,6 @@ front door's limits) are checked on their own.
 from __future__ import annotations
 
 import json
-import subprocess
 import sysconfig
 from pathlib import Path
 
@@ -28,7 +27,8 @@ from batchstring.engine.runner import DeviceTable
 from batchstring.engine.sampling_params import SamplingParams
 from batchstring.engine.sequence import Sequence
 from batchstring.export.exporter import torch_arguments
-from tests.conftest import BATCHSTRING, start_server
+from batchstring.export.layout import DEFAULT_MODEL_DIR
+from tests.conftest import BATCHSTRING, export_recipe, made, start_server
 from tests.engine_helpers import engine
 
 CONTEXT = 17408  # 16k of prompt and room to generate
@@ -39,27 +39,32 @@ CHUNKED = {"block_size": 16, "long_prefill_token_threshold": 100, "max_num_batch
            "kv_cache_tokens": 3 * CONTEXT, "max_num_seqs": 32}
 
 
-@pytest.fixture(scope="module")
-def long_checkpoint(tmp_path_factory, model_dir) -> Path:
+def long_recipe(root: Path) -> list[str]:
+    """A tiny Llama with CONTEXT positions, exported in float32 (tests/conftest.py: exports)."""
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    path = tmp_path_factory.mktemp("long-llama")
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CONTEXT,
                          eos_token_id=0, bos_token_id=0)
-    LlamaForCausalLM(config).save_pretrained(path)
-    PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json")).save_pretrained(path)
-    return path
+    LlamaForCausalLM(config).save_pretrained(root / "checkpoint")
+    PreTrainedTokenizerFast(tokenizer_file=str(DEFAULT_MODEL_DIR / "tokenizer.json")).save_pretrained(
+        root / "checkpoint")
+    return [*BATCHSTRING, "export", "--model", str(root / "checkpoint"), "--out", str(root / "export"),
+            "--dtype", "float32"]
+
+
+export_recipe("long-context", long_recipe)
 
 
 @pytest.fixture(scope="module")
-def long_export(long_checkpoint, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("long-export")
-    result = subprocess.run([*BATCHSTRING, "export", "--model", str(long_checkpoint), "--out", str(out),
-                             "--dtype", "float32"], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return out
+def long_checkpoint(exports) -> Path:
+    return made(exports, "long-context")[0] / "checkpoint"
+
+
+@pytest.fixture(scope="module")
+def long_export(exports) -> Path:
+    return made(exports, "long-context")[0] / "export"
 
 
 @pytest.fixture(scope="module")

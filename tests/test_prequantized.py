@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 import torch
 
+from batchstring.export.layout import DEFAULT_MODEL_DIR
 from batchstring.export.prequantized import read, repack
-from tests.conftest import BATCHSTRING
+from tests.conftest import BATCHSTRING, export_recipe
 
 GROUP = 32
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -120,15 +121,22 @@ def test_the_published_integers_unpack_and_repack_to_the_same_weights_exactly(tm
     assert np.array_equal(kernel, weights[name].T), "ONNX Runtime's dequantization gives the checkpoint's weights"
 
 
-def test_a_gptq_checkpoint_exports_with_its_integers_and_generates(tmp_path, model_dir):
+def gptq_recipe(root: Path) -> list[str]:
+    """An act-order GPTQ checkpoint of one layer (half the tracing), exported (tests/conftest.py: exports)."""
+    checkpoint, _ = published(root, DEFAULT_MODEL_DIR, "gptq-act-order", layers=1)
+    return [*BATCHSTRING, "export", "--model", str(checkpoint), "--out", str(root / "export")]
+
+
+export_recipe("gptq-act-order", gptq_recipe)
+
+
+def test_a_gptq_checkpoint_exports_with_its_integers_and_generates(exports, tmp_path):
     from batchstring.engine.config import EngineConfig
     from batchstring.engine.core import EngineCore
     from batchstring.engine.sampling_params import SamplingParams
 
-    checkpoint, _ = published(tmp_path, model_dir, "gptq-act-order", layers=1)  # one layer: half the tracing
-    out = tmp_path / "export"
-    result = subprocess.run([*BATCHSTRING, "export", "--model", str(checkpoint), "--out", str(out)],
-                            capture_output=True, text=True, timeout=600)
+    root, result = exports["gptq-act-order"]
+    checkpoint, out = root / "gptq-act-order", root / "export"
     said = " ".join((result.stdout + result.stderr).split())
     assert result.returncode == 0, said
     assert "gptq-int4 (the checkpoint's own integers, groups of 32" in said and "4 matrix multiplies" in said

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from batchstring.export.synthetic import random_checkpoint, tiny_family_config
-from tests.conftest import BATCHSTRING, serve, stop
+from tests.conftest import BATCHSTRING, export_recipe, made, serve, stop
 
 
 def batchstring(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -36,16 +36,41 @@ def op_types(graph: Path) -> set[str]:
     return {node.op_type for node in onnx.load(str(graph), load_external_data=False).graph.node}
 
 
+def learnt_recipe(root: Path) -> list[str]:
+    """The unquantized export of `learnt_checkpoint` (tests/conftest.py: exports)."""
+    checkpoint = learnt_checkpoint(root / "checkpoint")
+    return [*BATCHSTRING, "export", "--model", str(checkpoint), "--out", str(root / "export")]
+
+
+def qk_norm_recipe(root: Path) -> list[str]:
+    """Qwen3 (q/k norms) with 4096 embedding rows and a 512-token tokenizer, `export --quantize int4`."""
+    config = tiny_family_config("qwen3")
+    config.vocab_size = 4096
+    checkpoint = random_checkpoint(root / "checkpoint", config, seed=3, tokenizer_vocab=512)
+    return [*BATCHSTRING, "export", "--model", str(checkpoint), "--out", str(root / "export"), "--quantize", "int4"]
+
+
+export_recipe("learnt", learnt_recipe)
+export_recipe("qk-norm-int4", qk_norm_recipe)
+
+
 @pytest.fixture(scope="module")
-def learnt(tmp_path_factory, model_dir) -> tuple[Path, Path, Path]:
+def learnt(exports) -> tuple[Path, Path, Path]:
     """(checkpoint, its text, its unquantized export)."""
+    root, _ = made(exports, "learnt")
+    return root / "checkpoint", root / "checkpoint" / "text.txt", root / "export"
+
+
+def learnt_checkpoint(root: Path) -> Path:
+    """A tiny Llama trained until it knows a 512-token held-out text (`root`/text.txt, kept
+    beside its weights) by heart."""
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     from batchstring.engine.tokenizer import TextCodec
-    from batchstring.export.layout import HELDOUT_TEXT
+    from batchstring.export.layout import DEFAULT_MODEL_DIR, HELDOUT_TEXT
 
-    root = tmp_path_factory.mktemp("learnt")
-    codec = TextCodec.from_file(model_dir / "tokenizer.json")
+    root.mkdir()
+    codec = TextCodec.from_file(DEFAULT_MODEL_DIR / "tokenizer.json")
     (root / "text.txt").write_text(codec.decode(codec.encode(HELDOUT_TEXT.read_text())[:540]))
     ids = codec.encode((root / "text.txt").read_text())[:512]  # as the export reads it back
     torch.manual_seed(0)
@@ -61,11 +86,9 @@ def learnt(tmp_path_factory, model_dir) -> tuple[Path, Path, Path]:
         loss.backward()
         optimizer.step()
     assert loss.item() < 0.5, f"not learnt by heart: loss {loss.item():.2f}"
-    model.save_pretrained(root / "checkpoint")
-    PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json")).save_pretrained(root / "checkpoint")
-    result = batchstring("export", "--model", str(root / "checkpoint"), "--out", str(root / "export"))
-    assert result.returncode == 0, result.stdout + result.stderr
-    return root / "checkpoint", root / "text.txt", root / "export"
+    model.save_pretrained(root)
+    PreTrainedTokenizerFast(tokenizer_file=str(DEFAULT_MODEL_DIR / "tokenizer.json")).save_pretrained(root)
+    return root
 
 
 def test_a_quantization_past_its_perplexity_bound_is_refused_and_forced_it_is_kept(learnt, tmp_path):
@@ -157,23 +180,20 @@ def test_perplexity_is_the_same_through_either_runtime_and_rises_with_int4(learn
     assert result.returncode == 1 and "has no model.pt; measure it with the other --runtime" in said(result)
 
 
-def test_export_quantize_exports_verifies_and_quantizes_a_qk_norm_family_with_a_padded_vocabulary(tmp_path):
+def test_export_quantize_exports_verifies_and_quantizes_a_qk_norm_family_with_a_padded_vocabulary(exports):
     """Qwen3 (q/k norms) with 4096 embedding rows and a 512-token tokenizer, `export --quantize int4`:
     the unquantized runtimes verify against HF judged on the tokenizer's ids, then the graphs are
     quantized and measured against them."""
-    config = tiny_family_config("qwen3")
-    config.vocab_size = 4096
-    checkpoint = random_checkpoint(tmp_path / "checkpoint", config, seed=3, tokenizer_vocab=512)
-    result = batchstring("export", "--model", str(checkpoint), "--out", str(tmp_path / "out"), "--quantize", "int4")
-    assert result.returncode == 0, result.stdout + result.stderr
-    words = said(result)
+    root, stdout = made(exports, "qk-norm-int4")
+    out = root / "export"
+    words = " ".join(stdout.split())
     for runtime in ("eager step", "torchscript", "onnxruntime", "onnxruntime, small steps"):
         assert f"{runtime}: greedy identical for 3/3 prompts" in words, runtime
     assert "int4 (blocks of 32, symmetric, accuracy_level 4, head in the export's dtype):" in words
     assert "(float32, int4 weights)" in words
-    spec = json.loads((tmp_path / "out" / "runtime.json").read_text())
+    spec = json.loads((out / "runtime.json").read_text())
     assert spec["quantization"]["bits"] == 4 and spec["vocab_size"] == 512
-    assert "MatMulNBits" in op_types(tmp_path / "out" / "model.onnx")
+    assert "MatMulNBits" in op_types(out / "model.onnx")
 
 
 def test_the_greedy_reference_chooses_among_the_ids_the_step_samples(tmp_path):

@@ -292,7 +292,7 @@ def export_model(
     started = time.monotonic()
     stages = Stages(console, 5 if quantization else 4)
     with stages.stage(f"load {source.name} in {dtype}" + (f", {published.scheme} dequantized" if published else "")):
-        hf_model = load_dequantized(source, published) if published else load_checkpoint(source, dtype)
+        hf_model = load_dequantized(source, published, dtype) if published else load_checkpoint(source, dtype)
         step, eos = decoder_step(hf_model, source, adapters)
     console.print(f"{hf_model.config.model_type}: {', '.join(features(hf_model)) or 'Llama layers'}")
     with tempfile.TemporaryDirectory(prefix="batchstring-export-") as tmp:
@@ -307,7 +307,8 @@ def export_model(
         codec = TextCodec.from_file(source / "tokenizer.json")
         with stages.stage(f"verify each runtime against the Hugging Face forward (float32 truth, {dtype} beside it)"):
             # 16 bits: the truth in float32 beside the 16-bit copy, ~3x the 16-bit weights, for this stage
-            truth = hf_model if dtype == "float32" else load_checkpoint(source, "float32")
+            truth = hf_model if dtype == "float32" else (
+                load_dequantized(source, published) if published else load_checkpoint(source, "float32"))
             cases, greedy = _verify_each(_runtime_loaders(step, scratch, dtype, console), truth, hf_model,
                                          codec.encode, eos, dtype, codec.known_ids())
             del truth
@@ -340,9 +341,10 @@ def published_quantization(source: Path, dtype: str, quantization: Quantization 
     if published and quantization:
         raise SystemExit(f"{source.name} is published quantized ({published.scheme}); its integers are kept as they "
                          "are: drop --quantize")
-    if published and dtype != "float32":
-        raise SystemExit(f"{source.name} is published quantized ({published.scheme}): export it with --dtype float32 "
-                         "(its MatMulNBits kernels take float32 activations here)")
+    if published and dtype == "bfloat16":
+        raise SystemExit(f"{source.name} is published quantized ({published.scheme}): export it with --dtype float16 "
+                         "or float32 (ONNX Runtime's CPU provider, which measures the repacked graph, has no bfloat16 "
+                         "MatMulNBits kernel)")
     return published
 
 

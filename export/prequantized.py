@@ -7,12 +7,14 @@ Such a checkpoint stores each linear layer's weight as `bits`-bit integers in gr
 chose, so the export keeps the integers:
 
 1. the checkpoint is loaded with every such weight dequantized exactly, (q - zero) x scale in
-   float32 (a 4- or 8-bit integer times a float16 scale is exact there), and exported and verified
-   like any float32 checkpoint;
+   float32 (a 4- or 8-bit integer times a float16 scale is exact there; a float16 export rounds
+   that product once, as the publishers' own float16 kernels do), and exported and verified like
+   any checkpoint;
 2. each graph MatMul whose constant is one of those dequantized weights (found by its bytes) is
-   rewritten to ONNX Runtime's `MatMulNBits` holding the same integers, zero points and scales,
-   repacked from the checkpoint's layout to the kernel's (`repack`), so the kernel's own
-   dequantization, (code - zero_point) x scale, gives the same float32 weights bit for bit;
+   rewritten to ONNX Runtime's `MatMulNBits` holding the same integers, zero points and scales
+   (in the export's dtype: the kernel's activations and scales share it), repacked from the
+   checkpoint's layout to the kernel's (`repack`), so the kernel's own dequantization,
+   (code - zero_point) x scale, gives the same weights bit for bit;
 3. the result is measured against the graph of step 1 (export/quantize.py `quantize_export`):
    what differs is only the kernel's arithmetic (`accuracy_level` 4 multiplies int8 activations).
 
@@ -120,8 +122,9 @@ def read(checkpoint: Path) -> PreQuantized | None:
     return PreQuantized(method, bits, group, layers)
 
 
-def load_dequantized(checkpoint: Path, pre: PreQuantized):
-    """The checkpoint as a float32 Hugging Face model, every quantized weight dequantized exactly."""
+def load_dequantized(checkpoint: Path, pre: PreQuantized, dtype: str = "float32"):
+    """The checkpoint as a Hugging Face model in `dtype`, every quantized weight dequantized exactly
+    in float32 first (one rounding to a 16-bit dtype after)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
@@ -143,7 +146,7 @@ def load_dequantized(checkpoint: Path, pre: PreQuantized):
         model.tie_weights()
     if (checkpoint / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(checkpoint)
-    return model.eval()
+    return model.to(getattr(torch, dtype)).eval()
 
 
 def _quantized_part(name: str, pre: PreQuantized) -> bool:
@@ -212,11 +215,12 @@ def repack(graph: Path, pre: PreQuantized) -> int:
     nodes, replaced = [], 0
     for node in model.graph.node:
         constant = constants.get(node.input[1]) if node.op_type == "MatMul" else None
-        packed = find.made_of(numpy_helper.to_array(constant)) if constant is not None else None
+        weight = numpy_helper.to_array(constant) if constant is not None else None
+        packed = find.made_of(weight) if weight is not None else None
         if packed is None:
             nodes.append(node)
             continue
-        blob, scales, zeros = matmul_nbits(packed, pre.bits, pre.group_size)
+        blob, scales, zeros = matmul_nbits(packed, pre.bits, pre.group_size, weight.dtype)
         stem = f"{node.input[1]}.{pre.scheme}"
         model.graph.initializer.extend([numpy_helper.from_array(blob, f"{stem}.blob"),
                                         numpy_helper.from_array(scales, f"{stem}.scales"),
@@ -257,22 +261,31 @@ def _inputs(graph) -> set[str]:
 
 
 class _Layers:
-    """The checkpoint's layers by their dequantized weight's first column, to find them in a constant."""
+    """The checkpoint's layers by their dequantized weight's first column, to find them in a
+    constant of the graph's dtype (float32, or float16: the weight rounded once)."""
+
+    FLOATS = (np.dtype(np.float32), np.dtype(np.float16))
 
     def __init__(self, pre: PreQuantized) -> None:
-        self.by_column: dict[tuple[int, bytes], list[tuple[Packed, np.ndarray]]] = {}
-        for packed in pre.layers.values():
-            transposed = packed.weight().T  # [K, N], as the graph holds it
-            self.by_column.setdefault((transposed.shape[0], transposed[:, 0].tobytes()), []).append(
-                (packed, transposed))
+        self.pre = pre
+        self.by_dtype: dict[np.dtype, dict[tuple[int, bytes], list[tuple[Packed, np.ndarray]]]] = {}
+
+    def _by_column(self, dtype: np.dtype) -> dict[tuple[int, bytes], list[tuple[Packed, np.ndarray]]]:
+        if dtype not in self.by_dtype:
+            index = self.by_dtype[dtype] = {}
+            for packed in self.pre.layers.values():
+                transposed = packed.weight().T.astype(dtype)  # [K, N], as the graph holds it
+                index.setdefault((transposed.shape[0], transposed[:, 0].tobytes()), []).append((packed, transposed))
+        return self.by_dtype[dtype]
 
     def made_of(self, constant: np.ndarray) -> Packed | None:
         """The layers side by side that `constant` [K, N] is exactly, as one Packed; else None."""
-        if constant.ndim != 2 or constant.dtype != np.float32:
+        if constant.ndim != 2 or constant.dtype not in self.FLOATS:
             return None
+        by_column = self._by_column(constant.dtype)
         parts, offset = [], 0
         while offset < constant.shape[1]:
-            candidates = self.by_column.get((constant.shape[0], constant[:, offset].tobytes()), [])
+            candidates = by_column.get((constant.shape[0], constant[:, offset].tobytes()), [])
             part = next((p for p, w in candidates if np.array_equal(constant[:, offset : offset + w.shape[1]], w)),
                         None)
             if part is None:
@@ -286,10 +299,11 @@ class _Layers:
                       parts[0].groups)
 
 
-def matmul_nbits(packed: Packed, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def matmul_nbits(packed: Packed, bits: int, block_size: int,
+                 dtype: np.dtype = np.float32) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """MatMulNBits' inputs for one layer: codes [N, blocks, block_size x bits / 8] packed low bits
-    first along K, scales [N x blocks], zero points [N x ceil(blocks x bits / 8)] packed likewise
-    along each column's blocks."""
+    first along K, scales [N x blocks] in the activations' `dtype` (float16 scales stay exact),
+    zero points [N x ceil(blocks x bits / 8)] packed likewise along each column's blocks."""
     rows, columns = packed.codes.shape
     blocks = rows // block_size
     per = 8 // bits
@@ -300,4 +314,4 @@ def matmul_nbits(packed: Packed, bits: int, block_size: int) -> tuple[np.ndarray
     padded = -(-blocks // per) * per
     zeros = np.pad(zeros, ((0, 0), (0, padded - blocks))).reshape(columns, -1, per)
     zero_bytes = np.bitwise_or.reduce(zeros << (np.arange(per, dtype=np.uint8) * bits), axis=-1).astype(np.uint8)
-    return blob, packed.scales.T.reshape(-1).astype(np.float32), zero_bytes.reshape(-1)
+    return blob, packed.scales.T.reshape(-1).astype(dtype), zero_bytes.reshape(-1)

@@ -88,15 +88,17 @@ def published(root: Path, model_dir: Path, method: str, layers: int = 2) -> tupl
     return out, weights
 
 
-@pytest.mark.parametrize("method", ["gptq", "gptq-act-order", "awq"])
-def test_the_published_integers_unpack_and_repack_to_the_same_weights_exactly(tmp_path, model_dir, method):
+@pytest.mark.parametrize(("method", "dtype"), [("gptq", "float32"), ("gptq-act-order", "float32"),
+                                               ("awq", "float32"), ("gptq-act-order", "float16")])
+def test_the_published_integers_unpack_and_repack_to_the_same_weights_exactly(tmp_path, model_dir, method, dtype):
     """Unpacked, each layer's weight is (code - zero) x scale of the integers packed; repacked into a
-    graph of one MatMul, ONNX Runtime's kernel multiplies the identity into those same weights."""
+    graph of one MatMul in `dtype`, ONNX Runtime's kernel multiplies the identity into those same
+    weights (in float16: the float32 weights rounded once, the kernel's scales in float16)."""
     import dataclasses
 
     import onnx
     import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import helper, numpy_helper
 
     checkpoint, weights = published(tmp_path, model_dir, method)
     pre = read(checkpoint)
@@ -106,10 +108,12 @@ def test_the_published_integers_unpack_and_repack_to_the_same_weights_exactly(tm
     name = "model.layers.1.mlp.down_proj"  # K 128: four blocks, zero points of two bytes per column
     assert (pre.layers[name].order is not None) == (method == "gptq-act-order")
     rows, columns = weights[name].shape[1], weights[name].shape[0]
+    expected = np.ascontiguousarray(weights[name].T).astype(dtype)
+    element = helper.np_dtype_to_tensor_dtype(expected.dtype)
     graph = helper.make_graph([helper.make_node("MatMul", ["A", "W"], ["Y"], name="down")], "one",
-                              [helper.make_tensor_value_info("A", TensorProto.FLOAT, [None, rows])],
-                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [None, columns])],
-                              [numpy_helper.from_array(np.ascontiguousarray(weights[name].T), "W")])
+                              [helper.make_tensor_value_info("A", element, [None, rows])],
+                              [helper.make_tensor_value_info("Y", element, [None, columns])],
+                              [numpy_helper.from_array(expected, "W")])
     path = tmp_path / "one.onnx"
     path.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
     exact = dataclasses.replace(pre, layers={name: pre.layers[name]}, accuracy_level=0)
@@ -117,37 +121,62 @@ def test_the_published_integers_unpack_and_repack_to_the_same_weights_exactly(tm
     gathered = {"Gather"} if method == "gptq-act-order" else set()
     assert {node.op_type for node in onnx.load(str(path)).graph.node} == {"MatMulNBits"} | gathered
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    (kernel,) = session.run(None, {"A": np.eye(rows, dtype=np.float32)})
-    assert np.array_equal(kernel, weights[name].T), "ONNX Runtime's dequantization gives the checkpoint's weights"
+    (kernel,) = session.run(None, {"A": np.eye(rows, dtype=dtype)})
+    assert kernel.dtype == expected.dtype
+    assert np.array_equal(kernel, expected), "ONNX Runtime's dequantization gives the checkpoint's weights"
 
 
-def gptq_recipe(root: Path) -> list[str]:
-    """An act-order GPTQ checkpoint of one layer (half the tracing), exported (tests/conftest.py: exports)."""
-    checkpoint, _ = published(root, DEFAULT_MODEL_DIR, "gptq-act-order", layers=1)
-    return [*BATCHSTRING, "export", "--model", str(checkpoint), "--out", str(root / "export")]
+PUBLISHED_EXPORTS = [("gptq-act-order", "float32"), ("awq", "float16")]
 
 
-export_recipe("gptq-act-order", gptq_recipe)
+def published_recipe(method: str, dtype: str):
+    """A `method` checkpoint of one layer (half the tracing) exported in `dtype` (tests/conftest.py: exports)."""
+    def recipe(root: Path) -> list[str]:
+        checkpoint, _ = published(root, DEFAULT_MODEL_DIR, method, layers=1)
+        return [*BATCHSTRING, "export", "--model", str(checkpoint), "--out", str(root / "export"), "--dtype", dtype]
+    return recipe
 
 
-def test_a_gptq_checkpoint_exports_with_its_integers_and_generates(exports, tmp_path):
-    from batchstring.engine.config import EngineConfig
-    from batchstring.engine.core import EngineCore
+for source, bits in PUBLISHED_EXPORTS:
+    export_recipe(f"{source}-{bits}", published_recipe(source, bits), checkpoint_method=source, export_dtype=bits)
+
+
+@pytest.mark.parametrize(("checkpoint_method", "export_dtype"), PUBLISHED_EXPORTS)
+def test_a_published_checkpoint_exports_with_its_integers_and_generates(exports, tmp_path, checkpoint_method,
+                                                                        export_dtype):
+    """GPTQ with act-order in float32, AWQ in float16: MatMulNBits over the checkpoint's integers with
+    scales in the export's dtype, measured, and the engine decodes what the repacked step does."""
+    import onnx
+    from onnx import numpy_helper
+
     from batchstring.engine.sampling_params import SamplingParams
+    from batchstring.export.exporter import onnx_step
+    from batchstring.export.verify import greedy_with_step
+    from tests.engine_helpers import engine
 
-    root, result = exports["gptq-act-order"]
-    checkpoint, out = root / "gptq-act-order", root / "export"
+    root, result = exports[f"{checkpoint_method}-{export_dtype}"]
+    checkpoint, out = root / checkpoint_method, root / "export"
+    scheme = f"{checkpoint_method.split('-')[0]}-int4"
     said = " ".join((result.stdout + result.stderr).split())
     assert result.returncode == 0, said
-    assert "gptq-int4 (the checkpoint's own integers, groups of 32" in said and "4 matrix multiplies" in said
-    record = json.loads((out / "runtime.json").read_text())["quantization"]
-    assert record["scheme"] == "gptq-int4" and record["block_size"] == GROUP
-    assert not (out / "model.pt").exists()
-    eng = EngineCore(EngineConfig(model_dir=out))
+    assert f"{scheme} (the checkpoint's own integers, groups of 32" in said and "4 matrix multiplies" in said
+    spec = json.loads((out / "runtime.json").read_text())
+    assert spec["dtype"] == export_dtype and spec["quantization"]["scheme"] == scheme
+    assert spec["quantization"]["block_size"] == GROUP and not (out / "model.pt").exists()
+    graph = onnx.load(str(out / "model.onnx"))
+    constants = {t.name: t for t in graph.graph.initializer}
+    kernels = [node for node in graph.graph.node if node.op_type == "MatMulNBits"]
+    assert len(kernels) == 4 and all(numpy_helper.to_array(constants[k.input[2]]).dtype == export_dtype
+                                     for k in kernels), "scales in the activations' dtype"
+    eng = engine(out)
     seq = eng.make_sequence("def f(x):", SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
                             lambda o: None)
     eng.generate([seq])
-    assert len(seq.output_ids) == 8
-    refused = subprocess.run([*BATCHSTRING, "export", "--model", str(checkpoint), "--out", str(tmp_path / "x"),
-                              "--quantize", "int8"], capture_output=True, text=True, timeout=600)
-    assert refused.returncode != 0 and "published quantized (gptq-int4)" in refused.stderr + refused.stdout
+    kv_shape = (spec["num_layers"], spec["num_kv_heads"], spec["head_dim"])
+    assert seq.output_ids == greedy_with_step(onnx_step(out / "model.onnx", export_dtype), seq.prompt_ids, 8,
+                                              kv_shape, [], np.dtype(export_dtype))
+    for option, says in ((["--quantize", "int8"], "drop --quantize"), (["--dtype", "bfloat16"], "--dtype float16")):
+        refused = subprocess.run([*BATCHSTRING, "export", "--model", str(checkpoint), "--out", str(tmp_path / "x"),
+                                  *option], capture_output=True, text=True, timeout=600)
+        words = " ".join((refused.stdout + refused.stderr).split())
+        assert refused.returncode != 0 and f"published quantized ({scheme})" in words and says in words, words

@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from batchstring.export.quantize import BLOCK_SIZE, BLOCK_SIZES
+
 
 def add_export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, help="local HF checkpoint directory (default: the shipped model)")
@@ -16,12 +18,17 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
                    help="a step that applies LoRA adapters chosen per request (`batchstring serve --lora`); a step "
                         "with no adapter row pays one branch per projection")
     p.add_argument("--quantize", choices=("int8", "int4"),
-                   help="weight-only quantization of the ONNX step (MatMulNBits, blocks of 32 along K, symmetric); "
+                   help="weight-only quantization of the ONNX step (MatMulNBits, blocks of --block-size along K, "
+                        "symmetric); "
                         "activations stay in --dtype; measured against the unquantized graph")
     add_quantization_arguments(p, "with --quantize: ")
 
 
 def add_quantization_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
+    p.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=BLOCK_SIZE,
+                   help=f"{prefix}weights per scale along K: {BLOCK_SIZE} (default; llama.cpp's Q8_0 and Q4_0 "
+                        "blocks) keeps the most quality; 128 makes ONNX Runtime's CPU kernel faster for a "
+                        "measured quality cost (docs/quantization.md)")
     p.add_argument("--accuracy-level", type=int, choices=(0, 4), default=4,
                    help=f"{prefix}4 (default): ONNX Runtime's CPU kernel multiplies int8 activations (its cost "
                         "is measured); 0: activations in the export's dtype, many times slower on the CPU")
@@ -38,19 +45,26 @@ def add_quantization_arguments(p: argparse.ArgumentParser, prefix: str = "") -> 
                    help=f"{prefix}keep a quantization whose perplexity rises past its bound")
 
 
+def quantization_of(args: argparse.Namespace, scheme: str):
+    from batchstring.export.quantize import Quantization
+
+    return Quantization(scheme, block_size=args.block_size, accuracy_level=args.accuracy_level,
+                        head=args.quantize_head, embedding=args.quantize_embedding)
+
+
 def run_export(args: argparse.Namespace) -> int:
     from batchstring.export.exporter import export_model
     from batchstring.export.layout import MODEL_VERSION_DIR
-    from batchstring.export.quantize import Quantization, QuantizationRefused
+    from batchstring.export.quantize import QuantizationRefused
     from batchstring.export.step import UnsupportedModel
     from batchstring.export.verify import VerificationError
 
     if not args.quantize and (args.accuracy_level != 4 or args.quantize_head or args.quantize_embedding or args.force
-                              or args.max_perplexity_rise is not None or args.heldout):
-        raise SystemExit("--accuracy-level, --quantize-head, --quantize-embedding, --max-perplexity-rise, --heldout "
-                         "and --force go with --quantize")
-    quantization = args.quantize and Quantization(args.quantize, accuracy_level=args.accuracy_level,
-                                                  head=args.quantize_head, embedding=args.quantize_embedding)
+                              or args.max_perplexity_rise is not None or args.heldout
+                              or args.block_size != BLOCK_SIZE):
+        raise SystemExit("--block-size, --accuracy-level, --quantize-head, --quantize-embedding, "
+                         "--max-perplexity-rise, --heldout and --force go with --quantize")
+    quantization = args.quantize and quantization_of(args, args.quantize)
     try:
         export_model(args.model, args.out or MODEL_VERSION_DIR, dtype=args.dtype, quantization=quantization or None,
                      force=args.force, max_rise=args.max_perplexity_rise, heldout=args.heldout, adapters=args.adapters)
@@ -61,7 +75,8 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def add_quantize_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("scheme", choices=("int8", "int4"), help="weight-only: MatMulNBits, blocks of 32, symmetric")
+    p.add_argument("scheme", choices=("int8", "int4"),
+                   help="weight-only: MatMulNBits, blocks of --block-size, symmetric")
     p.add_argument("--model", type=Path, required=True, help="an unquantized export directory")
     p.add_argument("--out", type=Path, required=True, help="where the quantized export goes (not --model)")
     add_quantization_arguments(p)
@@ -73,13 +88,12 @@ def run_quantize(args: argparse.Namespace) -> int:
 
     from batchstring.export.exporter import install
     from batchstring.export.layout import HELDOUT_TEXT
-    from batchstring.export.quantize import MAX_PERPLEXITY_RISE, Quantization, QuantizationRefused, quantize_export
+    from batchstring.export.quantize import MAX_PERPLEXITY_RISE, QuantizationRefused, quantize_export
 
     source, out = args.model.resolve(), args.out.resolve()
     if out == source:
         raise SystemExit("--out must not be --model: the quantization is measured against the export it is made from")
-    quantization = Quantization(args.scheme, accuracy_level=args.accuracy_level, head=args.quantize_head,
-                                embedding=args.quantize_embedding)
+    quantization = quantization_of(args, args.scheme)
     bound = MAX_PERPLEXITY_RISE[args.scheme] if args.max_perplexity_rise is None else args.max_perplexity_rise
     try:
         check_unquantized_export(source)

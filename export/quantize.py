@@ -28,14 +28,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from batchstring.export.perplexity import DEFAULT_CONTEXT, Perplexity
 from batchstring.export.shared_weights import share_weights, weight_bytes
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the CLI reads this module's constants for --help: nothing heavy at import
+    from batchstring.export.perplexity import Perplexity
     from batchstring.export.prequantized import PreQuantized
 
 SCHEMES = {"int8": 8, "int4": 4}
-BLOCK_SIZE = 32
+BLOCK_SIZE = 32  # llama.cpp's Q8_0 and Q4_0 blocks; larger ones run the CPU kernel faster (docs/quantization.md)
+BLOCK_SIZES = (16, 32, 64, 128)
 # Largest perplexity rise (percent) over the unquantized graph on the held-out text that an export
 # accepts without --force; llama.cpp's own rise at the same bits is measured beside ours (docs/benchmarks.md).
 MAX_PERPLEXITY_RISE = {"int8": 1.0, "int4": 3.0}
@@ -213,7 +214,7 @@ def quantize_export(directory: Path, quantization: Quantization | PreQuantized, 
     from batchstring.engine.tokenizer import TextCodec
     from batchstring.export.exporter import onnx_step
     from batchstring.export.layout import SMALL_STEP_GRAPH
-    from batchstring.export.perplexity import DEFAULT_TOKENS, perplexity, window_logits, windows
+    from batchstring.export.perplexity import DEFAULT_CONTEXT, DEFAULT_TOKENS, perplexity, window_logits, windows
     from batchstring.export.verify import GREEDY_PROMPTS, GREEDY_TOKENS, greedy_with_step, step_greedy_reference
 
     spec = RuntimeSpec.load(directory / "runtime.json")

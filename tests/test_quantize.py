@@ -127,6 +127,10 @@ def test_quantize_refuses_what_it_cannot_quantize(learnt, tmp_path):
     assert batchstring("quantize", "int8", "--model", str(export), "--out", str(twice)).returncode == 0
     again = batchstring("quantize", "int4", "--model", str(twice), "--out", str(tmp_path / "c"))
     assert again.returncode == 1 and "is already quantized (int8)" in said(again)
+    alone = batchstring("export", "--model", str(checkpoint), "--out", str(tmp_path / "d"), "--block-size", "64")
+    assert alone.returncode != 0 and "--block-size" in said(alone) and "go with --quantize" in said(alone)
+    odd = batchstring("quantize", "int4", "--model", str(export), "--out", str(tmp_path / "e"), "--block-size", "48")
+    assert odd.returncode != 0 and "invalid choice: 48" in said(odd)
 
 
 def test_serve_model_serves_a_quantized_export_as_its_step_decodes(learnt, tmp_path):
@@ -158,9 +162,15 @@ def test_serve_model_serves_a_quantized_export_as_its_step_decodes(learnt, tmp_p
 
 
 def test_perplexity_is_the_same_through_either_runtime_and_rises_with_int4(learnt, tmp_path):
+    import onnx
+
     _, text, export = learnt
     low = tmp_path / "int4"
-    assert batchstring("quantize", "int4", "--model", str(export), "--out", str(low), "--force").returncode == 0
+    assert batchstring("quantize", "int4", "--model", str(export), "--out", str(low), "--force",
+                       "--block-size", "128").returncode == 0
+    assert json.loads((low / "runtime.json").read_text())["quantization"]["block_size"] == 128
+    kernels = [n for n in onnx.load(str(low / "model.onnx")).graph.node if n.op_type == "MatMulNBits"]
+    assert kernels and all(onnx.helper.get_node_attr_value(n, "block_size") == 128 for n in kernels)
 
     def measured(model: Path, runtime: str) -> float:
         result = batchstring("perplexity", "--model", str(model), "--text", str(text), "--runtime", runtime,

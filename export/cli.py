@@ -19,8 +19,7 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
                         "with no adapter row pays one branch per projection")
     p.add_argument("--quantize", choices=("int8", "int4"),
                    help="weight-only quantization of the ONNX step (MatMulNBits, blocks of --block-size along K, "
-                        "symmetric); "
-                        "activations stay in --dtype; measured against the unquantized graph")
+                        "symmetric); activations stay in --dtype; measured against the unquantized graph")
     add_quantization_arguments(p, "with --quantize: ")
 
 

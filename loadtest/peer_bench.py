@@ -15,6 +15,12 @@ p50/p99 request latency, with ratios to llama.cpp without speculation, all from 
 
 llama.cpp is fed the prompts as token ids (our tokenizer's), so every engine sees the same input;
 the share of prompts whose greedy completion equals ours is reported as a sanity check.
+
+Every prompt recurs within a run (the untimed first calls, the levels, the repeats), so neither
+side reuses a cached prompt unless `--prefix-caching` turns reuse on for both: our prefix cache is
+off (`enable_prefix_caching=false`) as llama-server is asked not to (`cache_prompt: false`).
+Otherwise ours would time prompts it has seen while llama.cpp computes them again. The prompt
+tokens our server found cached are read from its metrics and reported (0 when off).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from batchstring.server.triton import DEFAULT_REPOSITORY
 CALLERS = (1, 16, 64)
 SYSTEMS = ("batchstring", "batchstring-ngram", "llama.cpp", "llama.cpp-ngram", "hf-generate")
 REFERENCE = "llama.cpp"
+PREFIX_CACHING = "enable_prefix_caching"
 # llama.cpp's own prompt lookup in the build this was measured with (`llama-server --help`): the last
 # 3 tokens looked up, 4 drafted, as many drafts as ours (its defaults, 12 and 48, suit long verbatim
 # repeats). Ours looks up the last 8 tokens and falls back to shorter matches; llama.cpp's
@@ -123,8 +130,8 @@ class LlamaServer:
 class LlamaCpp:
     """Calls a llama-server's /completion with our tokenizer's ids; greedy, exactly `max_tokens` new."""
 
-    def __init__(self, server: LlamaServer, codec: TextCodec) -> None:
-        self.server, self.codec = server, codec
+    def __init__(self, server: LlamaServer, codec: TextCodec, cache_prompt: bool) -> None:
+        self.server, self.codec, self.cache_prompt = server, codec, cache_prompt
 
     def measure(self, items: list[Item], callers: int) -> Run:
         import aiohttp
@@ -137,7 +144,7 @@ class LlamaCpp:
             async with aiohttp.ClientSession(connector=connector) as session:
                 async def call(index: int, item: Item) -> None:
                     body = {"prompt": self.codec.encode(item.prompt), "n_predict": item.max_tokens,
-                            "temperature": 0.0, "top_k": 1, "ignore_eos": True, "cache_prompt": False}
+                            "temperature": 0.0, "top_k": 1, "ignore_eos": True, "cache_prompt": self.cache_prompt}
                     async with session.post(url, json=body) as response:
                         answer = await response.json()
                     if response.status != 200:
@@ -175,8 +182,7 @@ def build(names: list[str], args: argparse.Namespace, out_dir: Path, items: list
     systems: dict = {}
     if any(n.startswith("batchstring") for n in names):
         repository = repository_for(args.model, out_dir / "repository") if args.model else DEFAULT_REPOSITORY
-        server = LocalServer(config="cpu", repository=repository,
-                             params=dict(p.split("=", 1) for p in args.param)).start()
+        server = LocalServer(config="cpu", repository=repository, params=engine_params(args)).start()
         systems["batchstring"] = Ours(server, speculative=False)
         systems["batchstring-ngram"] = Ours(server, speculative=True)
     codec = TextCodec.from_file((args.model or MODEL_VERSION_DIR) / "tokenizer.json")
@@ -189,10 +195,34 @@ def build(names: list[str], args: argparse.Namespace, out_dir: Path, items: list
                 raise SystemExit(f"{name} needs --llama-server and --gguf (docs/benchmarks.md says how to build them)")
             server = LlamaServer(args.llama_server, args.gguf, max(args.callers), context, args.llama_threads, extra,
                                  out_dir / f"{name}.log")
-            systems[name] = LlamaCpp(server, codec)
+            systems[name] = LlamaCpp(server, codec, args.prefix_caching)
     if "hf-generate" in names:
         systems["hf-generate"] = HFGenerateSystem()
     return {n: systems[n] for n in names}
+
+
+def engine_params(args: argparse.Namespace) -> dict[str, str]:
+    """Our server's engine parameters: `--param`s, and prefix caching as `--prefix-caching` says
+    (set there only, so that llama.cpp's `cache_prompt` always agrees with it)."""
+    params = dict(p.split("=", 1) for p in args.param)
+    if PREFIX_CACHING in params:
+        raise SystemExit(f"--param {PREFIX_CACHING}=... would cache prompts on one side only; use --prefix-caching, "
+                         "which sets it for both systems")
+    return params | {PREFIX_CACHING: str(args.prefix_caching).lower()}
+
+
+def prefix_hits(systems: dict) -> dict[str, float]:
+    """Prompt tokens our server looked up in its prefix cache and found there, from its metrics
+    (published twice a second: read after a pause)."""
+    from batchstring.server.stats import metrics
+
+    servers = {id(s.server): s.server for s in systems.values() if isinstance(s, Ours)}
+    if not servers:
+        return {}
+    time.sleep(0.6)
+    values = metrics(next(iter(servers.values())).metrics_url)
+    return {"prompt_tokens_looked_up": values.get("batchstring_prefix_cache_queries_total", 0.0),
+            "prompt_tokens_reused": values.get("batchstring_prefix_cache_hits_total", 0.0)}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -207,6 +237,7 @@ def run(args: argparse.Namespace) -> int:
         systems = build(names, args, out_dir, items)
     points: list[Point] = []
     agreement: dict[str, float] = {}
+    cache: dict[str, float] = {}
     bar = tqdm(total=len(names) * len(args.callers) * args.repeats, desc="peer-bench", unit="run")
     try:  # every server started is stopped, whatever fails (a refused first request included)
         for system in systems.values():  # first-call costs (allocations, connections) are nobody's result
@@ -223,6 +254,7 @@ def run(args: argparse.Namespace) -> int:
             points += [summarize(name, callers, [(r.samples, r.seconds) for r in runs[name]]) for name in names]
             if callers == args.callers[0] and "batchstring" in runs:
                 agreement = same_text({name: r[0] for name, r in runs.items()})
+        cache = prefix_hits(systems)
     finally:
         bar.close()
         for system in systems.values():
@@ -233,6 +265,7 @@ def run(args: argparse.Namespace) -> int:
     meta = {"command": command(args), "machine": machine(), "prompts": args.prompts,
             "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
             "llama_spec_args": args.llama_spec_args, "llama_threads": args.llama_threads,
+            "prefix_caching": args.prefix_caching, "our_prefix_cache": cache,
             "seconds": round(time.monotonic() - started, 1),
             "greedy_agreement_with_batchstring": agreement}
     (out_dir / "peer.json").write_text(json.dumps({"meta": meta, "points": [asdict(p) for p in points]}, indent=2))
@@ -241,6 +274,9 @@ def run(args: argparse.Namespace) -> int:
     if agreement:
         console.print("greedy completions equal to batchstring's: "
                       + ", ".join(f"{k} {v:.0%}" for k, v in agreement.items()))
+    if cache:
+        console.print(f"prefix caching {'on' if args.prefix_caching else 'off'} for every system: our server reused "
+                      f"{cache['prompt_tokens_reused']:,.0f} cached prompt tokens")
     console.print(f"\nwrote {out_dir}/peer.json, peer.md in {meta['seconds']:.0f} s")
     return 0
 
@@ -270,6 +306,7 @@ def command(args: argparse.Namespace) -> str:
              "--callers " + " ".join(map(str, args.callers))]
     if args.systems:
         parts.append("--systems " + " ".join(args.systems))
+    parts += ["--prefix-caching"] * args.prefix_caching
     return " ".join(parts + [f"--param {p}" for p in args.param]
                     + ["--llama-server LLAMA_SERVER --gguf MODEL.gguf"] * bool(args.llama_server))
 
@@ -293,5 +330,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt (end of sequence ignored)")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                    help="engine parameter for our server (repeatable)")
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="let both sides reuse cached prompts (our prefix cache, llama-server's cache_prompt); "
+                        "off by default: every prompt recurs in a run, and only ours would find it cached")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help="results folder (default: results/peer-bench-<time>)")

@@ -48,3 +48,26 @@ def test_serve_refuses_an_unknown_parameter(model_dir):
 def test_serve_refuses_a_negative_drain_deadline():
     out = subprocess.run([*BATCHSTRING, "serve", "--drain-seconds", "-1"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "--drain-seconds must be 0 or more; got -1" in out.stderr
+
+
+def test_peer_bench_caches_prompts_on_both_sides_or_neither(tmp_path):
+    """peer-bench replays its prompts (first calls, repeats), which llama-server is told not to
+    cache: our server's prefix cache is off too, and its metrics say it reused nothing; with
+    `--prefix-caching` it reuses them (the count is real); the engine parameter alone, which
+    would cache on one side only, is refused."""
+    def bench(*extra: str) -> dict:
+        out = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        run = subprocess.run([*BATCHSTRING, "peer-bench", "--systems", "batchstring", "--callers", "1",
+                              "--prompts", "3", "--max-tokens", "4", "--repeats", "2", "--out", str(out), *extra],
+                             capture_output=True, text=True, timeout=180)
+        assert run.returncode == 0, run.stdout + run.stderr
+        return json.loads((out / "peer.json").read_text())["meta"]
+
+    off, on = bench(), bench("--prefix-caching")
+    assert (off["prefix_caching"], off["our_prefix_cache"]["prompt_tokens_reused"]) == (False, 0)
+    assert on["prefix_caching"] and on["our_prefix_cache"]["prompt_tokens_reused"] > 0
+    assert "--prefix-caching" in on["command"] and "--prefix-caching" not in off["command"]
+    refused = subprocess.run([*BATCHSTRING, "peer-bench", "--systems", "batchstring", "--param",
+                              "enable_prefix_caching=true", "--out", str(tmp_path / "refused")],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "--prefix-caching" in refused.stderr

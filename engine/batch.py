@@ -4,6 +4,9 @@ Rows that decode one token go to the step's decode group and are built together 
 per-row loop; rows that prefill several tokens (few per step) go to the prefill group. A step of
 at most SMALL_STEP_TOKENS tokens puts every row in the prefill group: padded together they waste
 almost nothing, and the CPU runs such a step on a graph with that group only (export/step.py).
+So does a step of one row, however long (a lone caller's prompt): one row pads nothing, and that
+graph's fewer operators on spinning threads prefill it in about 0.65x the time (docs/benchmarks.md,
+one caller).
 The prefill group pads its rows to the widest, so a step whose few-token rows (forced runs,
 drafts) would pad to a prompt chunk's width runs as two calls instead, when the attention model
 says so (`split_step`). The layout is export/step.py's.
@@ -29,7 +32,7 @@ from batchstring.engine.sequence import Sequence
 from batchstring.engine.structured_output import step_masks
 from batchstring.export.contract import SamplingInputs, StepInputs
 
-SMALL_STEP_TOKENS = 16  # a step of at most this many tokens: one attention group (and, on the CPU, its own session)
+SMALL_STEP_TOKENS = 16  # a step of at most this many tokens (or of one row): one attention group, on its own graph
 # Keys x queries of padded attention worth a second runner call of a step (split_step), by device.
 # CPU: the cost of one runner call, from a fit over recorded steps (docs/benchmarks.md, long contexts).
 # CUDA: a call is hundreds of kernel launches while padded attention is cheap, so only padding of
@@ -84,7 +87,7 @@ def build_step(work: list[Work], blocks: BlockManager, random: RandomStreams | N
                query_group: int = 1) -> StepBatch:
     """`random`: the engine's streams (a fresh unseeded one if None); `query_group`: query heads per
     kv head, for the choice of span (engine/block_table.py)."""
-    single_group = sum(w.new for w in work) <= SMALL_STEP_TOKENS
+    single_group = len(work) == 1 or sum(w.new for w in work) <= SMALL_STEP_TOKENS
     decode = [w for w in work if w.new == 1]
     prefill = [w for w in work if w.new > 1]
     if single_group and prefill:  # rows of one token join the others in the prefill group

@@ -279,8 +279,8 @@ def _numpy_dtype(spec: RuntimeSpec):
 class OnnxRunner(PagedCacheRunner):
     """ONNX Runtime on the CPU; the cache is host memory (numpy), handed over without a copy.
 
-    With `threads` 0 (the default) a step of at most SMALL_STEP_TOKENS tokens (every row in the
-    prefill group: engine/batch.py) runs on a session of its own, on the small-step graph where the
+    With `threads` 0 (the default) a step of at most SMALL_STEP_TOKENS tokens or of one row (every
+    row in the prefill group: engine/batch.py) runs on a session of its own, on the small-step graph where the
     export wrote one (export/layout.py SMALL_STEP_GRAPH: the prefill group only, a quarter fewer
     operators), with `small_step_threads` intra-op threads (at most
     `available_cores`) that spin between operators. A small step is hundreds of operators of

@@ -238,32 +238,44 @@ def test_cache_is_preallocated_once(model_dir, prompts):
 
 
 def test_small_steps_run_with_every_row_in_one_group_on_the_small_step_graph(model_dir, prompts, reference):
-    """A step of at most SMALL_STEP_TOKENS tokens (decode rows included) is packed in the prefill
-    group and runs on the single-group graph; a larger one keeps its decode group and the full
-    graph; the tokens are those of each prompt alone either way (the `reference`)."""
+    """A step of at most SMALL_STEP_TOKENS tokens (decode rows included), or of one row however
+    long (a lone prompt), is packed in the prefill group and runs on the single-group graph; a
+    larger one keeps its decode group and the full graph; the tokens are those of each prompt alone
+    either way (the `reference`)."""
     from batchstring.engine.batch import SMALL_STEP_TOKENS
     from batchstring.export.layout import SMALL_STEP_GRAPH
 
-    eng = engine(model_dir)
-    runner = eng.runner
-    assert runner.small_session._model_path.endswith(SMALL_STEP_GRAPH)
-    assert runner.session._model_path.endswith("model.onnx")
     seen = []
-    for name in ("session", "small_session"):
-        session = getattr(runner, name)
 
-        def spy(fetches, feeds, run=session.run, name=name):
-            seen.append((name, len(feeds["input_ids"]), len(feeds["decode_tokens"])))
-            return run(fetches, feeds)
+    def spied(eng):
+        for name in ("session", "small_session"):
+            session = getattr(eng.runner, name)
 
-        session.run = spy
+            def spy(fetches, feeds, run=session.run, name=name):
+                rows = len(feeds["prefill_rows"]) + len(feeds["decode_rows"])
+                seen.append((name, len(feeds["input_ids"]), len(feeds["decode_tokens"]), rows))
+                return run(fetches, feeds)
+
+            session.run = spy
+        return eng
+
+    eng = spied(engine(model_dir))
+    assert eng.runner.small_session._model_path.endswith(SMALL_STEP_GRAPH)
+    assert eng.runner.session._model_path.endswith("model.onnx")
     seqs, _ = interleave(eng, prompts[:24])
     assert [s.output_ids for s in seqs] == reference[:24]
-    small = [(tokens, decode) for name, tokens, decode in seen if name == "small_session"]
-    full = [(tokens, decode) for name, tokens, decode in seen if name == "session"]
-    assert small and all(tokens <= SMALL_STEP_TOKENS and decode == 0 for tokens, decode in small)
-    assert all(tokens > SMALL_STEP_TOKENS for tokens, _ in full)
-    assert any(decode > 0 for _, decode in full), "a crowd of decode rows keeps its own group"
+    small = [(tokens, decode, rows) for name, tokens, decode, rows in seen if name == "small_session"]
+    full = [(tokens, decode, rows) for name, tokens, decode, rows in seen if name == "session"]
+    assert small and all((tokens <= SMALL_STEP_TOKENS or rows == 1) and decode == 0 for tokens, decode, rows in small)
+    assert all(tokens > SMALL_STEP_TOKENS and rows > 1 for tokens, _, rows in full)
+    assert any(decode > 0 for _, decode, _ in full), "a crowd of decode rows keeps its own group"
+    seen.clear()
+    eng = spied(engine(model_dir, enable_prefix_caching=False))
+    long = [i for i, p in enumerate(prompts) if len(eng.codec.encode(p)) > SMALL_STEP_TOKENS][:2]
+    assert long, "the test needs prompts longer than a small step"
+    assert alone(eng, [prompts[i] for i in long]) == [reference[i] for i in long]
+    lone = [(name, tokens) for name, tokens, _, _ in seen if tokens > SMALL_STEP_TOKENS]
+    assert len(lone) >= len(long) and all(name == "small_session" for name, _ in lone), lone
 
 
 def test_small_steps_run_on_spinning_threads_and_give_the_tokens_of_one_thread(model_dir, prompts, reference):

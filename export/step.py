@@ -28,8 +28,9 @@ Why this shape:
   almost nothing in one group, and on a CPU its time goes to the number of operators, not to
   arithmetic: a second graph, exported with `single_group`, has the prefill group only (every row
   in it; the decode inputs are accepted and ignored). The engine puts every row of a step of at
-  most SMALL_STEP_TOKENS tokens in the prefill group (engine/batch.py), which both graphs compute
-  alike, and the CPU runner sends those steps to this graph (engine/runner.py).
+  most SMALL_STEP_TOKENS tokens, or of one row (nothing to pad), in the prefill group
+  (engine/batch.py), which both graphs compute alike, and the CPU runner sends those steps to
+  this graph (engine/runner.py).
 - Whatever is the same in every layer is computed once per step: the pairs, their blocks, the
   masks and the scatter indices; a layer adds its offset to the block indices.
 - Families differ as data (export/family.py): where each sublayer's norms sit, q/k norms, each

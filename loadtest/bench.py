@@ -15,6 +15,12 @@ time to first token for:
                 the same two with sampled requests (temperature 1.0, top_p 0.95), as most real
                 traffic is; the others are greedy
 
+The sweep measures batching, not caching: every engine in it runs with its prefix cache off. Each
+level replays the items of the levels before it, and each repeat its own, which a server with the
+cache on (the shipped default) would find cached while HF generate and the ceiling compute them
+all. The prompt tokens each served system found cached are read from its metrics and reported
+(`prefix_hit_tokens`, 0); `--scenario shared-prefix` measures the cache.
+
 Served systems are called through the project's own AsyncBatchClient: `batchstring([prompt])`
 like users do, except every STREAM_EVERY-th request, which streams and supplies the TTFT samples
 (streaming every request would measure per-token response overhead on a 2-core machine where the
@@ -43,12 +49,13 @@ from batchstring.engine.sampling_params import SamplingParams
 from batchstring.export.layout import MODEL_VERSION_DIR
 from batchstring.loadtest.workload import Item, mixed
 from batchstring.server.local import LocalServer
-from batchstring.server.stats import batch_stats, metrics
+from batchstring.server.stats import batch_stats, metrics, settled_metrics
 
 CONCURRENCY = (1, 4, 16, 64)
 STREAM_EVERY = 4
 SAMPLED = {"temperature": 1.0, "top_p": 0.95}
 GREEDY = {"temperature": 0.0}
+NO_PREFIX_CACHE = {"enable_prefix_caching": False}  # every engine of the sweep (module docstring)
 SERVED = {
     "no-batching": {"params": {"max_num_seqs": "1"}, "edit": lambda c: c.ClearField("dynamic_batching")},
     "static": {"params": {"scheduling": "static"}},
@@ -128,7 +135,8 @@ class Served:
             elif queue_delay_us is not None:
                 config.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
 
-        self.server = LocalServer(config="cpu", params=spec["params"], edit=edit).start()
+        params = spec["params"] | {name: str(value).lower() for name, value in NO_PREFIX_CACHE.items()}
+        self.server = LocalServer(config="cpu", params=params, edit=edit).start()
         self.extra: dict[str, list[float]] = {}
 
     async def _run(self, items: list[Item], concurrency: int) -> tuple[list[Sample], float]:
@@ -151,11 +159,13 @@ class Served:
         url, murl = self.server.grpc_url, self.server.metrics_url
         before, m0 = batch_stats(url), metrics(murl)
         result = asyncio.run(self._run(items, concurrency))
-        stats, m1 = batch_stats(url) - before, metrics(murl)
-        steps = m1["batchstring_steps_total"] - m0.get("batchstring_steps_total", 0)
-        seqs = m1["batchstring_step_sequences_total"] - m0.get("batchstring_step_sequences_total", 0)
+        stats, m1 = batch_stats(url) - before, settled_metrics(murl)
+        grew = {name: m1.get(name, 0.0) - m0.get(name, 0.0) for name in (
+            "batchstring_steps_total", "batchstring_step_sequences_total", "batchstring_prefix_cache_hits_total")}
+        steps, seqs = grew["batchstring_steps_total"], grew["batchstring_step_sequences_total"]
         self.extra = {"triton_batch": stats.average_batch, "triton_queue_ms": stats.average_queue_ms,
-                      "engine_step_batch": seqs / steps if steps else 0.0}
+                      "engine_step_batch": seqs / steps if steps else 0.0,
+                      "prefix_hit_tokens": grew["batchstring_prefix_cache_hits_total"]}
         return result
 
     def close(self) -> None:
@@ -166,7 +176,7 @@ class SeedAsyncio:
     """The classic asyncio batcher in-process (loadtest/seed_batcher.py)."""
 
     def __init__(self) -> None:
-        self.engine = EngineCore(EngineConfig(model_dir=MODEL_VERSION_DIR, scheduling="static"))
+        self.engine = EngineCore(EngineConfig(model_dir=MODEL_VERSION_DIR, scheduling="static", **NO_PREFIX_CACHE))
         self.extra: dict = {}
 
     def measure(self, items: list[Item], concurrency: int) -> tuple[list[Sample], float]:
@@ -212,7 +222,7 @@ class Ceiling:
         self.extra: dict = {}
 
     def measure(self, items: list[Item], concurrency: int) -> tuple[list[Sample], float]:
-        engine = EngineCore(EngineConfig(model_dir=MODEL_VERSION_DIR))
+        engine = EngineCore(EngineConfig(model_dir=MODEL_VERSION_DIR, **NO_PREFIX_CACHE))
         pending, live = list(reversed(items)), []
         while pending or live:
             while pending and len(live) < concurrency:

@@ -27,7 +27,7 @@ from batchstring.client import AsyncBatchClient
 from batchstring.export.layout import DEFAULT_MODEL_DIR, REPO_ROOT
 from batchstring.loadtest.workload import mixed
 from batchstring.server.local import LocalServer
-from batchstring.server.stats import metrics
+from batchstring.server.stats import SETTLE_SECONDS, metrics
 
 TOOLS = REPO_ROOT / ".venv-genai-perf"
 GENAI_PERF = "genai-perf==0.0.16"
@@ -116,7 +116,7 @@ def run_ours(server: LocalServer, args: argparse.Namespace) -> dict:
             began = time.perf_counter()
             await asyncio.gather(*(caller() for _ in range(args.concurrency)))
             seconds = time.perf_counter() - began
-            await asyncio.sleep(0.6)  # metrics are published twice a second
+            await asyncio.sleep(SETTLE_SECONDS)  # until the model has published what it did
             return metrics(server.metrics_url)["batchstring_generated_tokens_total"] - before, seconds, done
 
     tokens, seconds, requests = asyncio.run(drive())

@@ -212,15 +212,13 @@ def engine_params(args: argparse.Namespace) -> dict[str, str]:
 
 
 def prefix_hits(systems: dict) -> dict[str, float]:
-    """Prompt tokens our server looked up in its prefix cache and found there, from its metrics
-    (published twice a second: read after a pause)."""
-    from batchstring.server.stats import metrics
+    """Prompt tokens our server looked up in its prefix cache and found there, from its metrics."""
+    from batchstring.server.stats import settled_metrics
 
     ours = next((s for s in systems.values() if isinstance(s, Ours)), None)  # both variants share one server
     if ours is None:
         return {}
-    time.sleep(0.6)
-    values = metrics(ours.server.metrics_url)
+    values = settled_metrics(ours.server.metrics_url)
     return {"prompt_tokens_looked_up": values.get("batchstring_prefix_cache_queries_total", 0.0),
             "prompt_tokens_reused": values.get("batchstring_prefix_cache_hits_total", 0.0)}
 

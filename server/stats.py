@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import time
 import urllib.request
 from dataclasses import dataclass
 
 from tritonclient.grpc import InferenceServerClient
 
 from batchstring.client.defaults import MODEL
+
+# The model publishes its counters twice a second (model_repository/llm/1/metrics.py PUBLISH_SECONDS):
+# a read this long after some work sees all of it.
+SETTLE_SECONDS = 0.6
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,12 @@ def batch_stats(grpc_url: str) -> BatchStats:
     finally:
         client.close()
     return BatchStats(stats.inference_count, stats.execution_count, stats.inference_stats.queue.ns)
+
+
+def settled_metrics(metrics_url: str) -> dict[str, float]:
+    """`metrics` once the model has published what it did until now (blocks SETTLE_SECONDS)."""
+    time.sleep(SETTLE_SECONDS)
+    return metrics(metrics_url)
 
 
 def metrics(metrics_url: str) -> dict[str, float]:

@@ -1,4 +1,5 @@
-"""Locust smoke run against the session's server: real users, real HTTP, zero failures."""
+"""The load tools run for real: Locust against the session's server (real users, real HTTP, zero
+failures), and the served sweep's servers (what they compute)."""
 
 from __future__ import annotations
 
@@ -25,3 +26,28 @@ def test_locust_smoke_run_has_requests_and_no_failures(server, tmp_path):
     # every user ran: Triton's generate route, the OpenAI API, and JSON schemas through the OpenAI API
     for kind in ("batchstring[", "openai[", "structured["):
         assert sum(int(r["Request Count"]) for name, r in rows.items() if name.startswith(kind)) > 0, kind
+
+
+def test_the_served_sweep_computes_every_prompt_it_replays(monkeypatch):
+    """`batchstring bench` replays its items (each level those of the levels before, each repeat
+    its own) against HF generate and the ceiling, which compute them all: its servers run with
+    their prefix cache off and find nothing cached on a second pass, by the server's own count.
+    With the cache on (the shipped default) the same pass reuses them, so the count is real."""
+    from batchstring.loadtest import bench
+    from batchstring.loadtest.workload import mixed
+
+    items = mixed(4, prompt_tokens=(40, 60), max_tokens=(4, 4), seed=3)
+
+    def second_pass_hits() -> float:
+        system = bench.Served("continuous", None)
+        try:
+            for _ in range(2):
+                samples, _ = system.measure(items, 2)
+                assert len(samples) == len(items)
+            return system.extra["prefix_hit_tokens"]
+        finally:
+            system.close()
+
+    assert second_pass_hits() == 0
+    monkeypatch.setattr(bench, "NO_PREFIX_CACHE", {})
+    assert second_pass_hits() > 0

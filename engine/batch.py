@@ -4,9 +4,9 @@ Rows that decode one token go to the step's decode group and are built together 
 per-row loop; rows that prefill several tokens (few per step) go to the prefill group. A step of
 at most SMALL_STEP_TOKENS tokens puts every row in the prefill group: padded together they waste
 almost nothing, and the CPU runs such a step on a graph with that group only (export/step.py).
-So does a step of one row, however long (a lone caller's prompt): one row pads nothing, and that
-graph's fewer operators on spinning threads prefill it in about 0.65x the time (docs/benchmarks.md,
-one caller).
+So is a step of one row, however long (a lone caller's prompt): one row pads nothing, and where
+the small-step session has every core, that graph's fewer operators on spinning threads prefill it
+in about 0.65x the time (engine/runner.py; docs/benchmarks.md, one caller).
 The prefill group pads its rows to the widest, so a step whose few-token rows (forced runs,
 drafts) would pad to a prompt chunk's width runs as two calls instead, when the attention model
 says so (`split_step`). The layout is export/step.py's.
@@ -32,7 +32,7 @@ from batchstring.engine.sequence import Sequence
 from batchstring.engine.structured_output import step_masks
 from batchstring.export.contract import SamplingInputs, StepInputs
 
-SMALL_STEP_TOKENS = 16  # a step of at most this many tokens (or of one row): one attention group, on its own graph
+SMALL_STEP_TOKENS = 16  # a step of at most this many tokens (or of one row): one attention group (CPU: its own graph)
 # Keys x queries of padded attention worth a second runner call of a step (split_step), by device.
 # CPU: the cost of one runner call, from a fit over recorded steps (docs/benchmarks.md, long contexts).
 # CUDA: a call is hundreds of kernel launches while padded attention is cheap, so only padding of

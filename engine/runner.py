@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from batchstring.engine.adapters import AdapterSlots
-from batchstring.engine.batch import StepBatch
+from batchstring.engine.batch import SMALL_STEP_TOKENS, StepBatch
 from batchstring.engine.block_table import BlockTable
 from batchstring.engine.cores import available_cores
 from batchstring.engine.cuda_graph_padding import PaddedStep, pad_decode
@@ -279,17 +279,19 @@ def _numpy_dtype(spec: RuntimeSpec):
 class OnnxRunner(PagedCacheRunner):
     """ONNX Runtime on the CPU; the cache is host memory (numpy), handed over without a copy.
 
-    With `threads` 0 (the default) a step of at most SMALL_STEP_TOKENS tokens or of one row (every
-    row in the prefill group: engine/batch.py) runs on a session of its own, on the small-step graph where the
+    With `threads` 0 (the default) a step of at most SMALL_STEP_TOKENS tokens (every row in the
+    prefill group: engine/batch.py) runs on a session of its own, on the small-step graph where the
     export wrote one (export/layout.py SMALL_STEP_GRAPH: the prefill group only, a quarter fewer
-    operators), with `small_step_threads` intra-op threads (at most
-    `available_cores`) that spin between operators. A small step is hundreds of operators of
-    microseconds each: a worker that sleeps between them is woken for every parallel one (on a
-    virtual machine, an interrupt to another core each time), which costs what the second core
-    saves, while a spinning one is there at once (served, both variants alternating:
-    docs/benchmarks.md, one caller). With other work on the cores it degrades to about one
-    thread's speed. 1 = one thread, nothing spins. Large steps (which want every core) run on the
-    other session, whose workers sleep.
+    operators), with `small_step_threads` intra-op threads (at most `available_cores`) that spin
+    between operators. A small step is hundreds of operators of microseconds each: a worker that
+    sleeps between them is woken for every parallel one (on a virtual machine, an interrupt to
+    another core each time), which costs what the second core saves, while a spinning one is there
+    at once (served, both variants alternating: docs/benchmarks.md, one caller). With other work on
+    the cores it degrades to about one thread's speed. 1 = one thread, nothing spins. Large steps
+    (which want every core) run on the other session, whose workers sleep; so does a longer step
+    of one row (a lone prompt, packed for the small graph too), unless the small session has every
+    core already: then its fewer operators on spinning threads prefill it in ~0.65x the time
+    (docs/benchmarks.md, one caller).
     Both sessions hold the weights, so host memory holds them twice (engine/memory.py counts both):
     a fixed `threads`, or weights past SMALL_STEP_SESSION_BYTES, keep one session.
     """
@@ -298,10 +300,12 @@ class OnnxRunner(PagedCacheRunner):
                  threads: int, small_step_threads: int = 1) -> None:
         self.session = _ort_session(model_dir, device, threads)
         self.small_session = self.session
+        self.small_takes_lone_rows = False  # a lone row's step longer than SMALL_STEP_TOKENS goes to the small session
         small = small_step_graph(model_dir, "onnxruntime", device, threads)
         if small:
             workers = min(small_step_threads, available_cores())
             self.small_session = _ort_session(model_dir, device, workers, graph=small, spin=workers > 1)
+            self.small_takes_lone_rows = workers >= available_cores()
         self.spec = spec
         # full(), not zeros(): touch every page now, so resident memory is flat from the start
         self.keys = np.full(spec.cache_shape(num_blocks, block_size), 0.0, _numpy_dtype(spec))
@@ -309,7 +313,8 @@ class OnnxRunner(PagedCacheRunner):
 
     def _run(self, inputs: StepInputs, table: BlockTable) -> tuple:
         # The caches and the block table are passed by reference: onnxruntime reads numpy memory in place.
-        session = self.small_session if inputs.single_group else self.session
+        small = inputs.single_group and (inputs.tokens <= SMALL_STEP_TOKENS or self.small_takes_lone_rows)
+        session = self.small_session if small else self.session
         return session.run(FETCHED, inputs.feeds(self.held(table.array)))
 
 

@@ -12,7 +12,8 @@ HELDOUT_TEXT = REPO_ROOT / "export" / "heldout" / "python.txt"
 MODEL_VERSION_DIR = REPO_ROOT / "model_repository" / "llm" / "1"
 ARTIFACTS = ("model.onnx", "model.pt", "tokenizer.json", "runtime.json")
 # The ONNX step for small steps (export/step.py `single_group`), written for float32 exports, the
-# CPU's: the CPU runner sends steps of a few tokens to it; GPU runners run model.onnx only.
+# CPU's: the CPU runner sends steps of a few tokens to it (and a lone row's, when its session has every
+# core: engine/runner.py); GPU runners run model.onnx only.
 SMALL_STEP_GRAPH = "model.small.onnx"
 # The weights both ONNX graphs read, each tensor once, in exports of real size (export/shared_weights.py).
 SHARED_WEIGHTS = "model.onnx.data"

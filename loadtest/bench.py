@@ -18,8 +18,8 @@ time to first token for:
 The sweep measures batching, not caching: every engine in it runs with its prefix cache off. Each
 level replays the items of the levels before it, and each repeat its own, which a server with the
 cache on (the shipped default) would find cached while HF generate and the ceiling compute them
-all. The prompt tokens each served system found cached are read from its metrics and reported
-(`prefix_hit_tokens`, 0); `--scenario shared-prefix` measures the cache.
+all. The prompt tokens each served system found cached since it started are read from its metrics
+and reported (`prefix_hit_tokens`, 0); `--scenario shared-prefix` measures the cache.
 
 Served systems are called through the project's own AsyncBatchClient: `batchstring([prompt])`
 like users do, except every STREAM_EVERY-th request, which streams and supplies the TTFT samples
@@ -160,12 +160,12 @@ class Served:
         before, m0 = batch_stats(url), metrics(murl)
         result = asyncio.run(self._run(items, concurrency))
         stats, m1 = batch_stats(url) - before, settled_metrics(murl)
-        grew = {name: m1.get(name, 0.0) - m0.get(name, 0.0) for name in (
-            "batchstring_steps_total", "batchstring_step_sequences_total", "batchstring_prefix_cache_hits_total")}
-        steps, seqs = grew["batchstring_steps_total"], grew["batchstring_step_sequences_total"]
+        steps = m1["batchstring_steps_total"] - m0.get("batchstring_steps_total", 0)
+        seqs = m1["batchstring_step_sequences_total"] - m0.get("batchstring_step_sequences_total", 0)
         self.extra = {"triton_batch": stats.average_batch, "triton_queue_ms": stats.average_queue_ms,
                       "engine_step_batch": seqs / steps if steps else 0.0,
-                      "prefix_hit_tokens": grew["batchstring_prefix_cache_hits_total"]}
+                      # since the server started: every level and repeat so far
+                      "prefix_hit_tokens": m1.get("batchstring_prefix_cache_hits_total", 0.0)}
         return result
 
     def close(self) -> None:

@@ -11,7 +11,7 @@ from tritonclient.grpc import InferenceServerClient
 from batchstring.client.defaults import MODEL
 
 # The model publishes its counters twice a second (model_repository/llm/1/metrics.py PUBLISH_SECONDS):
-# a read this long after some work sees all of it.
+# a read this long after some work finds it published, but for a publication running late.
 SETTLE_SECONDS = 0.6
 
 

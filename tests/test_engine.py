@@ -238,28 +238,14 @@ def test_cache_is_preallocated_once(model_dir, prompts):
 
 
 def test_small_steps_run_with_every_row_in_one_group_on_the_small_step_graph(model_dir, prompts, reference):
-    """A step of at most SMALL_STEP_TOKENS tokens (decode rows included), or of one row however
-    long (a lone prompt), is packed in the prefill group and runs on the single-group graph; a
-    larger one keeps its decode group and the full graph; the tokens are those of each prompt alone
-    either way (the `reference`)."""
+    """A step of at most SMALL_STEP_TOKENS tokens (decode rows included) is packed in the prefill
+    group and runs on the single-group graph; a larger one keeps its decode group and the full
+    graph; the tokens are those of each prompt alone either way (the `reference`)."""
     from batchstring.engine.batch import SMALL_STEP_TOKENS
     from batchstring.export.layout import SMALL_STEP_GRAPH
 
     seen = []
-
-    def spied(eng):
-        for name in ("session", "small_session"):
-            session = getattr(eng.runner, name)
-
-            def spy(fetches, feeds, run=session.run, name=name):
-                rows = len(feeds["prefill_rows"]) + len(feeds["decode_rows"])
-                seen.append((name, len(feeds["input_ids"]), len(feeds["decode_tokens"]), rows))
-                return run(fetches, feeds)
-
-            session.run = spy
-        return eng
-
-    eng = spied(engine(model_dir))
+    eng = spied(engine(model_dir), seen)
     assert eng.runner.small_session._model_path.endswith(SMALL_STEP_GRAPH)
     assert eng.runner.session._model_path.endswith("model.onnx")
     seqs, _ = interleave(eng, prompts[:24])
@@ -269,13 +255,44 @@ def test_small_steps_run_with_every_row_in_one_group_on_the_small_step_graph(mod
     assert small and all((tokens <= SMALL_STEP_TOKENS or rows == 1) and decode == 0 for tokens, decode, rows in small)
     assert all(tokens > SMALL_STEP_TOKENS and rows > 1 for tokens, _, rows in full)
     assert any(decode > 0 for _, decode, _ in full), "a crowd of decode rows keeps its own group"
-    seen.clear()
-    eng = spied(engine(model_dir, enable_prefix_caching=False))
-    long = [i for i, p in enumerate(prompts) if len(eng.codec.encode(p)) > SMALL_STEP_TOKENS][:2]
-    assert long, "the test needs prompts longer than a small step"
-    assert alone(eng, [prompts[i] for i in long]) == [reference[i] for i in long]
-    lone = [(name, tokens) for name, tokens, _, _ in seen if tokens > SMALL_STEP_TOKENS]
-    assert len(lone) >= len(long) and all(name == "small_session" for name, _ in lone), lone
+
+
+def test_a_lone_prompt_runs_on_the_small_step_graph_where_its_session_has_every_core(model_dir, prompts):
+    """A step of one row, however long (a lone prompt, chunks with a past included), goes to the
+    small-step session when that session has every core, with the tokens of the full graph alone
+    (an engine with one session, `threads` 1); with fewer small-step threads than cores it stays
+    on the full session, whose threads outnumber them."""
+    from batchstring.engine.batch import SMALL_STEP_TOKENS
+    from batchstring.engine.cores import available_cores
+
+    chunked = {"enable_prefix_caching": False, "long_prefill_token_threshold": 24}
+    one_session = engine(model_dir, threads=1, **chunked)
+    long = [p for p in prompts if len(one_session.codec.encode(p)) > 2 * 24][:2]
+    assert long, "the test needs prompts of several chunks"
+    full_graph = alone(one_session, long)
+    for threads, expected in ((available_cores(), "small_session"), (available_cores() - 1, "session")):
+        if threads < 1:
+            continue  # one core: the small session always has every core
+        seen = []
+        eng = spied(engine(model_dir, small_step_threads=threads, **chunked), seen)
+        assert alone(eng, long) == full_graph
+        lone = [(name, tokens) for name, tokens, _, rows in seen if tokens > SMALL_STEP_TOKENS and rows == 1]
+        assert len(lone) >= 2 * len(long) and {name for name, _ in lone} == {expected}, (threads, lone)
+
+
+def spied(eng, seen: list) -> object:
+    """`eng` with each ONNX Runtime session's calls recorded in `seen`: (session, tokens, decode
+    tokens, rows)."""
+    for name in ("session", "small_session"):
+        session = getattr(eng.runner, name)
+
+        def spy(fetches, feeds, run=session.run, name=name):
+            rows = len(feeds["prefill_rows"]) + len(feeds["decode_rows"])
+            seen.append((name, len(feeds["input_ids"]), len(feeds["decode_tokens"]), rows))
+            return run(fetches, feeds)
+
+        session.run = spy
+    return eng
 
 
 def test_small_steps_run_on_spinning_threads_and_give_the_tokens_of_one_thread(model_dir, prompts, reference):

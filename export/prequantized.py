@@ -27,11 +27,14 @@ Layouts (documented by AutoGPTQ and AutoAWQ, read by transformers):
   (x[:, p] @ W[p, :] = x @ W, exactly).
 - AWQ (`version` "gemm"): `qweight` int32 [K, N / 8] and `qzeros` int32 [G, N / 8], 8 values per
   int32 along N, in the interleaved order AWQ_ORDER; `scales` float16 [G, N]; 4 bits only.
+- Either: `group_size` -1 is one group over all of K (G = 1); a layer's `bias` is an ordinary
+  float tensor beside its integers (AutoGPTQ writes zeros there for layers that have none).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +42,7 @@ import numpy as np
 
 METHODS = ("gptq", "awq")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ int32 holds column AWQ_ORDER[i] of its eight
+MAX_BLOCK = 128  # the largest block a per-column checkpoint is repacked in (batchstring quantize's largest too)
 
 
 @dataclass(frozen=True)
@@ -70,9 +74,10 @@ class PreQuantized:
 
     method: str
     bits: int
-    group_size: int
+    group_size: int  # MatMulNBits' block: the checkpoint's group, or for one group per column see `per_column`
     layers: dict[str, Packed]  # by module name (model.layers.0.self_attn.q_proj)
     accuracy_level: int = 4
+    per_column: bool = False  # group_size -1 in the checkpoint: one zero point and scale per column
 
     @property
     def scheme(self) -> str:
@@ -85,11 +90,13 @@ class PreQuantized:
 
     def record(self) -> dict:
         return {"method": f"{self.method.upper()} checkpoint repacked to MatMulNBits", "scheme": self.scheme,
-                "bits": self.bits, "block_size": self.group_size, "accuracy_level": self.accuracy_level}
+                "bits": self.bits, "block_size": self.group_size, "accuracy_level": self.accuracy_level,
+                "checkpoint_group_size": -1 if self.per_column else self.group_size}
 
     def describe(self) -> str:
-        return f"{self.scheme} (the checkpoint's own integers, groups of {self.group_size}, " \
-               f"accuracy_level {self.accuracy_level})"
+        groups = f"one group per column, in blocks of {self.group_size}" if self.per_column \
+            else f"groups of {self.group_size}"
+        return f"{self.scheme} (the checkpoint's own integers, {groups}, accuracy_level {self.accuracy_level})"
 
     def rewrite(self, graph: Path, vocab_rows: int) -> int:
         return repack(graph, self)
@@ -108,18 +115,37 @@ def read(checkpoint: Path) -> PreQuantized | None:
                          "are (or export the float checkpoint with --quantize int8|int4)")
     if bits not in ((4, 8) if method == "gptq" else (4,)):
         raise ValueError(f"{method} with {bits} bits is not supported; {'4 or 8' if method == 'gptq' else '4'} are")
-    if group < 16 or group & (group - 1):
+    if group != -1 and (group < 16 or group & (group - 1)):
         raise ValueError(f"quantization_config.group_size {group} is not supported: MatMulNBits takes blocks of a "
-                         "power of two of at least 16 along K")
+                         "power of two of at least 16 along K (or -1, one group per column)")
     if method == "awq" and str(spec.get("version", "gemm")).lower() != "gemm":
         raise ValueError(f"AWQ version {spec.get('version')!r} is not supported; the GEMM layout is")
+    if method == "awq" and spec.get("zero_point", True) is False:
+        raise ValueError("AWQ without zero points (zero_point false) is not supported; AWQ with zero points is")
     tensors = _tensors(checkpoint)
     unpack = _gptq if method == "gptq" else _awq
     layers = {name[: -len(".qweight")]: unpack(tensors, name[: -len(".qweight")], bits, group, spec)
               for name in tensors if name.endswith(".qweight")}
     if not layers:
         raise ValueError(f"{checkpoint} names {method} quantization but holds no .qweight tensors")
+    if group == -1:
+        return PreQuantized(method, bits, *_in_blocks(layers), per_column=True)
     return PreQuantized(method, bits, group, layers)
+
+
+def _in_blocks(layers: dict[str, Packed]) -> tuple[int, dict[str, Packed]]:
+    """One group per column (group_size -1, common for 8 bits) as MatMulNBits blocks: the largest
+    power of two up to MAX_BLOCK that divides every layer's K, each column's one zero point and
+    scale repeated in each of its blocks, so the kernel's weights are the checkpoint's exactly."""
+    rows = math.gcd(*(packed.codes.shape[0] for packed in layers.values()))
+    block = min(rows & -rows, MAX_BLOCK)
+    if block < 16:
+        raise ValueError(f"one group per column (group_size -1) needs every layer's input size to be a multiple "
+                         f"of 16 (MatMulNBits' smallest block); their common divisor is {rows}")
+    return block, {name: Packed(packed.codes, *(np.repeat(part, packed.codes.shape[0] // block, axis=0)
+                                                for part in (packed.zeros, packed.scales)),
+                                np.arange(packed.codes.shape[0]) // block)
+                   for name, packed in layers.items()}
 
 
 def load_dequantized(checkpoint: Path, pre: PreQuantized, dtype: str = "float32"):
@@ -138,6 +164,9 @@ def load_dequantized(checkpoint: Path, pre: PreQuantized, dtype: str = "float32"
              for name, value in _tensors(checkpoint).items() if not _quantized_part(name, pre)}
     state.update({f"{name}.weight": torch.from_numpy(packed.weight()) for name, packed in pre.layers.items()})
     missing, unexpected = model.load_state_dict(state, strict=False)
+    # AutoGPTQ writes a bias for every quantized layer, zeros where the model has none (Llama's)
+    unexpected = [name for name in unexpected if not (
+        name.endswith(".bias") and name.removesuffix(".bias") in pre.layers and not state[name].any())]
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
     if unexpected or set(missing) - tied:
         raise ValueError(f"{checkpoint}: tensors the model does not have {sorted(unexpected)[:4]}, "
@@ -151,7 +180,7 @@ def load_dequantized(checkpoint: Path, pre: PreQuantized, dtype: str = "float32"
 
 def _quantized_part(name: str, pre: PreQuantized) -> bool:
     module, _, part = name.rpartition(".")
-    return module in pre.layers and part in ("qweight", "qzeros", "scales", "g_idx", "bias")
+    return module in pre.layers and part in ("qweight", "qzeros", "scales", "g_idx")
 
 
 def _tensors(checkpoint: Path) -> dict[str, np.ndarray]:
@@ -185,7 +214,7 @@ def _gptq(tensors: dict, name: str, bits: int, group: int, spec: dict) -> Packed
         if zeros.max() >= 1 << bits:
             raise ValueError(f"{name}: a GPTQ v1 zero point of {1 << bits} (stored {(1 << bits) - 1}) does not fit "
                              f"{bits} bits in MatMulNBits")
-    contiguous = np.arange(codes.shape[0]) // group
+    contiguous = _in_order(codes.shape[0], group)
     groups = np.asarray(tensors.get(f"{name}.g_idx", contiguous), np.int64)
     if not np.array_equal(np.sort(groups), contiguous):
         raise ValueError(f"{name}: g_idx does not give each group {group} rows (group_size), so its groups cannot "
@@ -196,7 +225,12 @@ def _gptq(tensors: dict, name: str, bits: int, group: int, spec: dict) -> Packed
 def _awq(tensors: dict, name: str, bits: int, group: int, spec: dict) -> Packed:
     codes = _unpack(tensors[f"{name}.qweight"], bits, axis=1, order=AWQ_ORDER)
     zeros = _unpack(tensors[f"{name}.qzeros"], bits, axis=1, order=AWQ_ORDER)
-    return Packed(codes, zeros, tensors[f"{name}.scales"].astype(np.float32), np.arange(codes.shape[0]) // group)
+    return Packed(codes, zeros, tensors[f"{name}.scales"].astype(np.float32), _in_order(codes.shape[0], group))
+
+
+def _in_order(rows: int, group: int) -> np.ndarray:
+    """Each input row's group where groups of `group` rows follow each other (-1: one group)."""
+    return np.arange(rows) // (group if group > 0 else rows)
 
 
 def repack(graph: Path, pre: PreQuantized) -> int:

@@ -40,9 +40,10 @@ def pack_words(values: np.ndarray, order: tuple[int, ...] = tuple(range(8))) -> 
 def quantized_layer(rng: np.random.Generator, rows: int, columns: int, method: str) -> tuple[dict, np.ndarray]:
     """(the layer's tensors in `method`'s layout, its weight [columns, rows] as (code - zero) x scale).
     "gptq-act-order": each row's group (g_idx) a fixed shuffle per K, as GPTQ's desc_act leaves
-    layers that share an input."""
-    groups = rows // GROUP
-    g_idx = np.arange(rows) // GROUP
+    layers that share an input; "gptq-per-column": group_size -1, one group over all of K."""
+    size = rows if method == "gptq-per-column" else GROUP
+    groups = rows // size
+    g_idx = np.arange(rows) // size
     if method == "gptq-act-order":
         g_idx = np.random.default_rng(rows).permutation(g_idx)
     codes = rng.integers(0, 16, (rows, columns))
@@ -57,16 +58,24 @@ def quantized_layer(rng: np.random.Generator, rows: int, columns: int, method: s
     return {**tensors, "scales": scales}, weight.astype(np.float32)
 
 
-def published(root: Path, model_dir: Path, method: str, layers: int = 2) -> tuple[Path, dict[str, np.ndarray]]:
-    """A tiny random Llama saved as `method` publishes it; returns it and each layer's weight."""
+def published(root: Path, model_dir: Path, method: str, layers: int = 2, family: str = "llama",
+              spare_biases: float | None = None) -> tuple[Path, dict[str, np.ndarray]]:
+    """A tiny random Llama (or Qwen2, whose q/k/v have biases) saved as `method` publishes it;
+    returns it and each layer's weight. `spare_biases`: a bias of that value written beside every
+    quantized layer the model gives none, as AutoGPTQ writes zeros there."""
     from safetensors.numpy import save_file
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         eos_token_id=0, bos_token_id=0)
-    model = LlamaForCausalLM(config)
+    config = AutoConfig.for_model(family, vocab_size=4096, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=512, eos_token_id=0, bos_token_id=0,
+                                  tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(".bias"):
+                parameter.normal_()  # not their initial zeros: a bias left out would not show
     rng = np.random.default_rng(1 if method == "awq" else 2)
     tensors, weights = {}, {}
     for name, value in model.state_dict().items():
@@ -74,22 +83,26 @@ def published(root: Path, model_dir: Path, method: str, layers: int = 2) -> tupl
         if module.split(".", 3)[-1] in TARGETS:
             parts, weights[module] = quantized_layer(rng, value.shape[1], value.shape[0], method)
             tensors.update({f"{module}.{part}": array for part, array in parts.items()})
+            if spare_biases is not None and f"{module}.bias" not in model.state_dict():
+                tensors[f"{module}.bias"] = np.full(value.shape[0], spare_biases, np.float16)
         elif name != "lm_head.weight" or not config.tie_word_embeddings:
             tensors[name] = value.numpy()
     out = root / method
-    out.mkdir()
+    out.mkdir(parents=True)
     save_file(tensors, str(out / "model.safetensors"))
-    quant = {"quant_method": method.split("-")[0], "bits": 4, "group_size": GROUP}
+    group = -1 if method == "gptq-per-column" else GROUP
+    quant = {"quant_method": method.split("-")[0], "bits": 4, "group_size": group}
     quant.update({"version": "gemm", "zero_point": True} if method == "awq" else
                  {"desc_act": method == "gptq-act-order", "sym": False, "checkpoint_format": "gptq"})
-    (out / "config.json").write_text(json.dumps({**config.to_dict(), "architectures": ["LlamaForCausalLM"],
+    (out / "config.json").write_text(json.dumps({**config.to_dict(), "architectures": [type(model).__name__],
                                                  "quantization_config": quant}))
     PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json")).save_pretrained(out)
     return out, weights
 
 
 @pytest.mark.parametrize(("method", "dtype"), [("gptq", "float32"), ("gptq-act-order", "float32"),
-                                               ("awq", "float32"), ("gptq-act-order", "float16")])
+                                               ("gptq-per-column", "float32"), ("awq", "float32"),
+                                               ("gptq-act-order", "float16")])
 def test_the_published_integers_unpack_and_repack_to_the_same_weights_exactly(tmp_path, model_dir, method, dtype):
     """Unpacked, each layer's weight is (code - zero) x scale of the integers packed; repacked into a
     graph of one MatMul in `dtype`, ONNX Runtime's kernel multiplies the identity into those same
@@ -103,6 +116,8 @@ def test_the_published_integers_unpack_and_repack_to_the_same_weights_exactly(tm
     checkpoint, weights = published(tmp_path, model_dir, method)
     pre = read(checkpoint)
     assert pre.scheme == f"{method.split('-')[0]}-int4" and set(pre.layers) == set(weights)
+    # One group per column: blocks of the largest power of two dividing every K (64 and 128)
+    assert (pre.per_column, pre.group_size) == ((True, 64) if method == "gptq-per-column" else (False, GROUP))
     for name, weight in weights.items():
         assert np.array_equal(pre.layers[name].weight(), weight), name
     name = "model.layers.1.mlp.down_proj"  # K 128: four blocks, zero points of two bytes per column
@@ -126,13 +141,39 @@ def test_the_published_integers_unpack_and_repack_to_the_same_weights_exactly(tm
     assert np.array_equal(kernel, expected), "ONNX Runtime's dequantization gives the checkpoint's weights"
 
 
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_a_quantized_layers_bias_is_kept_and_a_zero_one_the_model_lacks_is_dropped(tmp_path, model_dir, method):
+    """Qwen2's q/k/v biases sit beside their layers' integers and load with them; AutoGPTQ writes
+    a zero bias beside every layer, Llama's too, which has none: dropped, and a non-zero one there
+    refused (leaving it out would change the model)."""
+    from safetensors.numpy import load_file
+
+    from batchstring.export.prequantized import load_dequantized
+
+    checkpoint, weights = published(tmp_path / "qwen2", model_dir, method, layers=1, family="qwen2")
+    model = load_dequantized(checkpoint, read(checkpoint))
+    saved = load_file(checkpoint / "model.safetensors")
+    attention = model.model.layers[0].self_attn
+    for projection in ("q_proj", "k_proj", "v_proj"):
+        name = f"model.layers.0.self_attn.{projection}"
+        assert torch.equal(getattr(attention, projection).bias, torch.from_numpy(saved[f"{name}.bias"]).float())
+        assert torch.equal(getattr(attention, projection).weight, torch.from_numpy(weights[name]))
+    zero, _ = published(tmp_path / "zero", model_dir, method, layers=1, spare_biases=0.0)
+    assert load_dequantized(zero, read(zero)).model.layers[0].self_attn.q_proj.bias is None
+    nonzero, _ = published(tmp_path / "nonzero", model_dir, method, layers=1, spare_biases=0.5)
+    with pytest.raises(ValueError, match=r"tensors the model does not have \['model\.layers\.0\.mlp\.down_proj\.bias'"):
+        load_dequantized(nonzero, read(nonzero))
+
+
 PUBLISHED_EXPORTS = [("gptq-act-order", "float32"), ("awq", "float16")]
 
 
 def published_recipe(method: str, dtype: str):
-    """A `method` checkpoint of one layer (half the tracing) exported in `dtype` (tests/conftest.py: exports)."""
+    """A `method` checkpoint of one layer (half the tracing) exported in `dtype` (tests/conftest.py:
+    exports); AWQ's of Qwen2, whose q/k/v biases sit beside the integers."""
     def recipe(root: Path) -> list[str]:
-        checkpoint, _ = published(root, DEFAULT_MODEL_DIR, method, layers=1)
+        family = "qwen2" if method == "awq" else "llama"
+        checkpoint, _ = published(root, DEFAULT_MODEL_DIR, method, layers=1, family=family)
         return [*BATCHSTRING, "export", "--model", str(checkpoint), "--out", str(root / "export"), "--dtype", dtype]
     return recipe
 
@@ -144,8 +185,9 @@ for source, bits in PUBLISHED_EXPORTS:
 @pytest.mark.parametrize(("checkpoint_method", "export_dtype"), PUBLISHED_EXPORTS)
 def test_a_published_checkpoint_exports_with_its_integers_and_generates(exports, tmp_path, checkpoint_method,
                                                                         export_dtype):
-    """GPTQ with act-order in float32, AWQ in float16: MatMulNBits over the checkpoint's integers with
-    scales in the export's dtype, measured, and the engine decodes what the repacked step does."""
+    """GPTQ with act-order in float32, AWQ (of Qwen2, with biases) in float16: MatMulNBits over the
+    checkpoint's integers with scales in the export's dtype, measured, and the engine decodes what
+    the repacked step does."""
     import onnx
     from onnx import numpy_helper
 

@@ -142,13 +142,25 @@ def run_perplexity(args: argparse.Namespace) -> int:
     if args.context < 4:
         raise SystemExit(f"--context must be at least 4; got {args.context}")
     try:
-        result = measure_export(model, text.read_text(encoding="utf-8"), args.runtime, args.context, args.tokens)
+        if not (model / "runtime.json").is_file():
+            raise ValueError(f"{model} is not an export (no runtime.json); pass --model an export's directory, made "
+                             "with `batchstring export --model CHECKPOINT --out DIR`")
+        result = measure_export(model, _utf8(text), args.runtime, args.context, args.tokens)
     except (OSError, ValueError, RuntimeError) as exc:
         print(f"batchstring perplexity: {exc}", file=sys.stderr)
         return 1
     print(f"perplexity {result.value:.4f} over {result.tokens} tokens ({result.windows} windows of {args.context}, "
           f"second halves scored) of {text.name}, {model} on {args.runtime}")
     return 0
+
+
+def _utf8(path: Path) -> str:
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); --text "
+                         "takes a UTF-8 text file") from None
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:

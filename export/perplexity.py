@@ -33,7 +33,8 @@ def windows(ids: list[int], context: int, limit: int | None = None) -> list[list
     ids = ids[:limit] if limit else ids
     count = len(ids) // context
     if count == 0:
-        raise ValueError(f"the text is {len(ids)} tokens long; perplexity needs at least one window of {context}")
+        raise ValueError(f"the text is {len(ids)} tokens long; perplexity needs at least one window of {context} "
+                         "tokens: a longer text, or a smaller context")
     return [ids[i * context : (i + 1) * context] for i in range(count)]
 
 

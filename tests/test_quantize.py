@@ -188,6 +188,11 @@ def test_perplexity_is_the_same_through_either_runtime_and_rises_with_int4(learn
     assert result.returncode == 1 and "perplexity needs at least one window of 256" in said(result)
     result = batchstring("perplexity", "--model", str(low), "--runtime", "torchscript")
     assert result.returncode == 1 and "has no model.pt; measure it with the other --runtime" in said(result)
+    short.write_bytes(b"x = 1\n\xe9t\xe9\n")  # Latin-1, not UTF-8
+    result = batchstring("perplexity", "--model", str(export), "--text", str(short))
+    assert result.returncode == 1 and "is not UTF-8 text (byte 0xe9 at offset 6)" in said(result)
+    result = batchstring("perplexity", "--model", str(tmp_path), "--text", str(text))
+    assert result.returncode == 1 and "is not an export (no runtime.json)" in said(result)
 
 
 def test_export_quantize_exports_verifies_and_quantizes_a_qk_norm_family_with_a_padded_vocabulary(exports):

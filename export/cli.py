@@ -10,7 +10,10 @@ from batchstring.export.quantize import BLOCK_SIZE, BLOCK_SIZES
 
 
 def add_export_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, help="local HF checkpoint directory (default: the shipped model)")
+    p.add_argument("--model", help="a Hugging Face checkpoint: a local directory, or a Hub id (owner/name) "
+                                   "downloaded into the Hugging Face cache, HF_TOKEN from the environment for a "
+                                   "gated one (default: the shipped model)")
+    p.add_argument("--revision", help="with a Hub id: its branch, tag or commit (default: main)")
     p.add_argument("--out", type=Path, help="output directory (default: model_repository/llm/1)")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"),
                    help="weights and KV cache (default: float16 where a GPU is visible, else float32)")
@@ -66,7 +69,8 @@ def run_export(args: argparse.Namespace) -> int:
     quantization = args.quantize and quantization_of(args, args.quantize)
     try:
         export_model(args.model, args.out or MODEL_VERSION_DIR, dtype=args.dtype, quantization=quantization or None,
-                     force=args.force, max_rise=args.max_perplexity_rise, heldout=args.heldout, adapters=args.adapters)
+                     force=args.force, max_rise=args.max_perplexity_rise, heldout=args.heldout, adapters=args.adapters,
+                     revision=args.revision)
     except (UnsupportedModel, VerificationError, QuantizationRefused, ValueError, OSError) as exc:
         print(f"batchstring export: {exc}", file=sys.stderr)
         return 1

@@ -23,11 +23,12 @@ from batchstring.engine.tokenizer import TextCodec
 from batchstring.export import artifacts
 from batchstring.export.contract import ADAPTER_SITES, CACHES, AdapterWeights, Held, StepInputs
 from batchstring.export.family import features
-from batchstring.export.layout import DEFAULT_MODEL_DIR, HELDOUT_TEXT, MODEL_VERSION_DIR, SMALL_STEP_GRAPH
+from batchstring.export.layout import HELDOUT_TEXT, MODEL_VERSION_DIR, SMALL_STEP_GRAPH
 from batchstring.export.prequantized import PreQuantized, load_dequantized
 from batchstring.export.prequantized import read as read_prequantized
 from batchstring.export.quantize import MAX_PERPLEXITY_RISE, Quantization, quantize_export
 from batchstring.export.shared_weights import share_weights, weight_bytes
+from batchstring.export.source import resolve
 from batchstring.export.step import DecoderStep, check_supported
 from batchstring.export.verify import (
     HF_16BIT,
@@ -268,11 +269,13 @@ def peak_rss_gib() -> float:
 
 
 def export_model(
-    source: Path | None = None, out_dir: Path = MODEL_VERSION_DIR, console: Console | None = None,
+    source: Path | str | None = None, out_dir: Path = MODEL_VERSION_DIR, console: Console | None = None,
     dtype: str | None = None, quantization: Quantization | None = None, force: bool = False,
     max_rise: float | None = None, heldout: Path | None = None, adapters: bool = False,
+    revision: str | None = None,
 ) -> ExportResult:
-    """Exports, verifies in a scratch directory, and only then replaces the served files. With
+    """Exports, verifies in a scratch directory, and only then replaces the served files. `source`:
+    a checkpoint directory or a Hugging Face Hub id at `revision` (export/source.py). With
     `quantization`, the verified ONNX graphs are then quantized and measured (`_quantize`); `force`
     keeps a quantization whose perplexity on `heldout` (None: HELDOUT_TEXT) rises past `max_rise`
     percent (None: the scheme's MAX_PERPLEXITY_RISE). `adapters`: the step applies LoRA adapters
@@ -286,12 +289,13 @@ def export_model(
     if quantization and dtype == "bfloat16":
         raise SystemExit("--quantize measures the quantized graph with ONNX Runtime's CPU provider, which has no "
                          "bfloat16 kernels: export with --dtype float32 or float16")
-    source = Path(source or DEFAULT_MODEL_DIR).resolve()
+    checkpoint = resolve(source, revision)
+    source, name = checkpoint.path, checkpoint.name
     published = published_quantization(source, dtype, quantization)
     quantization = quantization or published
     started = time.monotonic()
     stages = Stages(console, 5 if quantization else 4)
-    with stages.stage(f"load {source.name} in {dtype}" + (f", {published.scheme} dequantized" if published else "")):
+    with stages.stage(f"load {name} in {dtype}" + (f", {published.scheme} dequantized" if published else "")):
         hf_model = load_dequantized(source, published, dtype) if published else load_checkpoint(source, dtype)
         step, eos = decoder_step(hf_model, source, adapters)
     console.print(f"{hf_model.config.model_type}: {', '.join(features(hf_model)) or 'Llama layers'}")
@@ -303,7 +307,7 @@ def export_model(
                 artifacts.write_onnx(step.as_single_group(), scratch / SMALL_STEP_GRAPH)
         with stages.stage("trace and save TorchScript"):
             artifacts.write_torchscript(step, scratch / "model.pt")
-        write_model_files(step, hf_model, eos, source, scratch)
+        write_model_files(step, hf_model, eos, source, scratch, name)
         codec = TextCodec.from_file(source / "tokenizer.json")
         with stages.stage(f"verify each runtime against the Hugging Face forward (float32 truth, {dtype} beside it)"):
             # 16 bits: the truth in float32 beside the 16-bit copy, ~3x the 16-bit weights, for this stage
@@ -326,7 +330,7 @@ def export_model(
         install(scratch, out_dir)
     seconds = time.monotonic() - started
     scheme = f", {quantization.scheme} weights" if quantization else ""
-    console.print(f"[green]exported and verified[/] {source.name} ({dtype}{scheme}) -> {out_dir} in {seconds:.1f} s, "
+    console.print(f"[green]exported and verified[/] {name} ({dtype}{scheme}) -> {out_dir} in {seconds:.1f} s, "
                   f"peak memory {max(stages.peaks.values()):.2f} GiB")
     return ExportResult(out_dir, seconds, max_diff)
 
@@ -367,13 +371,14 @@ def decoder_step(hf_model, source: Path, adapters: bool = False) -> tuple[Decode
     return DecoderStep(hf_model, eos, *codec.known_ids(), adapters=adapters).eval(), eos
 
 
-def write_model_files(step: DecoderStep, hf_model, eos: list[int], source: Path, out: Path) -> None:
-    """What the engine reads beside the step: runtime.json and the tokenizer's files (the chat
-    template and special tokens travel with the model)."""
-    for name in TOKENIZER_FILES:
-        if (source / name).is_file():
-            shutil.copyfile(source / name, out / name)
-    spec = artifacts.runtime_spec(step, hf_model.config, eos, source.name, sampling_defaults(hf_model))
+def write_model_files(step: DecoderStep, hf_model, eos: list[int], source: Path, out: Path,
+                      name: str | None = None) -> None:
+    """What the engine reads beside the step: runtime.json (its source `name`, the directory's by
+    default) and the tokenizer's files (the chat template and special tokens travel with the model)."""
+    for file in TOKENIZER_FILES:
+        if (source / file).is_file():
+            shutil.copyfile(source / file, out / file)
+    spec = artifacts.runtime_spec(step, hf_model.config, eos, name or source.name, sampling_defaults(hf_model))
     artifacts.write_runtime_spec(spec, out / "runtime.json")
 
 

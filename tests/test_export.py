@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import torch
 
 from batchstring.export.exporter import onnx_adapter_sites, torch_arguments
 from batchstring.export.layout import DEFAULT_MODEL_DIR
+from batchstring.export.source import resolve
 from batchstring.export.step import DecoderStep
 from batchstring.export.verify import VerificationError
 from tests.conftest import BATCHSTRING, export_recipe, made
@@ -36,16 +39,32 @@ def tiny_recipe(root: Path) -> list[str]:
     return [*BATCHSTRING, "export", "--model", str(checkpoint), "--out", str(root / "export")]
 
 
+HUB_ID = "batchstring-tests/tiny-llama3"
+
+
+def hub_cached(checkpoint: Path, hf_home: Path, repo_id: str) -> None:
+    """`checkpoint` as a Hub repository's snapshot in the Hugging Face cache at `hf_home`, in the
+    layout huggingface_hub documents (hub/models--OWNER--NAME/refs/main names the snapshot), as a
+    download leaves it: HF_HUB_OFFLINE=1 then resolves the id there, as on a machine without network."""
+    repo = hf_home / "hub" / f"models--{repo_id.replace('/', '--')}"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    shutil.copytree(checkpoint, repo / "snapshots" / commit)
+
+
 def llama3_style_recipe(root: Path) -> list[str]:
     """`make_tiny_checkpoint` with a Llama-3-style generation config (several EOS ids, sampling
-    defaults) exported in bfloat16 into a directory an earlier float32 export left a small-step
-    graph in."""
+    defaults), read by its Hub id from the Hugging Face cache, exported in bfloat16 into a
+    directory an earlier float32 export left a small-step graph in."""
     checkpoint = make_tiny_checkpoint(root / "checkpoint")
     (checkpoint / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": [0, 5, 7], "bos_token_id": 0, "do_sample": True, "temperature": 0.6, "top_p": 0.9}))
+    hub_cached(checkpoint, root / "hf-home", HUB_ID)
     (root / "export").mkdir()
     (root / "export" / "model.small.onnx").write_bytes(b"an earlier float32 export's small-step graph")
-    return [*BATCHSTRING, "export", "--model", str(checkpoint), "--out", str(root / "export"), "--dtype", "bfloat16"]
+    return ["env", f"HF_HOME={root / 'hf-home'}", "HF_HUB_OFFLINE=1", *BATCHSTRING, "export", "--model", HUB_ID,
+            "--out", str(root / "export"), "--dtype", "bfloat16"]
 
 
 export_recipe("tiny", tiny_recipe)
@@ -179,6 +198,7 @@ def test_a_bfloat16_export_records_its_dtype_the_checkpoints_eos_ids_and_samplin
     text = " ".join(stdout.split())
     assert not (out / "model.small.onnx").exists(), "a 16-bit export (for GPUs) has none, and leaves no stale one"
     spec = json.loads((out / "runtime.json").read_text())
+    assert spec["source"] == HUB_ID and f"load {HUB_ID} in bfloat16" in text, "read by its Hub id"
     assert spec["dtype"] == "bfloat16" and spec["eos_token_ids"] == [0, 5, 7]
     assert spec["sampling_defaults"]["temperature"] == 0.6 and spec["sampling_defaults"]["top_p"] == 0.9
     assert "HF itself" in text and "at least 0.05" in text and "greedy identical for" in text
@@ -188,6 +208,19 @@ def test_a_bfloat16_export_records_its_dtype_the_checkpoints_eos_ids_and_samplin
     seq = engine.make_sequence("def f(x):", SamplingParams(max_tokens=12, temperature=0), lambda o: None)
     engine.generate([seq])
     assert 0 < len(seq.output_ids) <= 12 and not set(seq.output_ids[:-1]) & {0, 5, 7}, "any EOS id ends it"
+
+
+def test_a_hub_id_that_cannot_be_downloaded_or_a_revision_of_a_directory_is_refused_saying_what_to_do(tmp_path):
+    offline = {**os.environ, "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([*BATCHSTRING, "export", "--model", "batchstring-tests/not-cached", "--out",
+                             str(tmp_path / "out")], capture_output=True, text=True, timeout=300, env=offline)
+    said = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode == 1 and "downloading it from the Hugging Face Hub failed" in said, said
+    assert "`hf download batchstring-tests/not-cached --local-dir DIR`, and pass --model DIR" in said
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match="--revision picks a version of a Hugging Face Hub id"):
+        resolve(DEFAULT_MODEL_DIR, revision="main")
+    assert resolve(DEFAULT_MODEL_DIR).path == DEFAULT_MODEL_DIR.resolve()
 
 
 def _op_types(graph) -> set[str]:

@@ -80,8 +80,13 @@ def load_checkpoint(path: Path, dtype: str = "float32"):
             "AutoTokenizer.from_pretrained(...).save_pretrained(path) writes one"
         )
     check_supported(AutoConfig.from_pretrained(path))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation="eager",
-                                                 low_cpu_mem_usage=True)  # weights streamed, not copied
+    model, loading = AutoModelForCausalLM.from_pretrained(  # weights streamed, not copied
+        path, dtype=getattr(torch, dtype), attn_implementation="eager", low_cpu_mem_usage=True,
+        output_loading_info=True)
+    missing = sorted(loading["missing_keys"])
+    if missing:  # transformers fills them with random values, and verification would agree with those
+        raise SystemExit(f"{path} lacks {len(missing)} of the model's weights ({', '.join(missing[:3])}"
+                         f"{', ...' if len(missing) > 3 else ''}); a complete checkpoint is needed")
     return model.eval()
 
 

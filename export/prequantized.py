@@ -42,6 +42,7 @@ import numpy as np
 
 METHODS = ("gptq", "awq")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ int32 holds column AWQ_ORDER[i] of its eight
+GPTQ_FORMATS = ("gptq", "gptq_v2")  # zero points stored minus one (v1), or as they are
 MAX_BLOCK = 128  # the largest block a per-column checkpoint is repacked in (batchstring quantize's largest too)
 
 
@@ -105,11 +106,41 @@ class PreQuantized:
 def read(checkpoint: Path) -> PreQuantized | None:
     """The checkpoint's quantization, or None for a float checkpoint; ValueError naming what is
     not supported."""
-    config = json.loads((checkpoint / "config.json").read_text())
-    spec = config.get("quantization_config")
+    spec = _spec(checkpoint)
     if not spec:
         return None
-    method, bits, group = spec.get("quant_method"), int(spec.get("bits", 0)), int(spec.get("group_size", 0))
+    method, bits, group = spec["quant_method"], int(spec.get("bits", 0)), int(spec.get("group_size", 0))
+    _check(spec, method, bits, group)
+    tensors = _tensors(checkpoint)
+    unpack = _gptq if method == "gptq" else _awq
+    layers = {name[: -len(".qweight")]: unpack(tensors, name[: -len(".qweight")], bits, group, spec)
+              for name in tensors if name.endswith(".qweight")}
+    if not layers:
+        raise ValueError(f"{checkpoint} names {method} quantization but holds no .qweight tensors")
+    if group == -1:
+        return PreQuantized(method, bits, *_in_blocks(layers), per_column=True)
+    return PreQuantized(method, bits, group, layers)
+
+
+def _spec(checkpoint: Path) -> dict | None:
+    """config.json's quantization_config; else an older AutoGPTQ upload's quantize_config.json (GPTQ
+    by definition). A checkpoint holding quantized tensors with neither is refused: read as a
+    float one, its quantized layers would load as random weights."""
+    spec = json.loads((checkpoint / "config.json").read_text()).get("quantization_config")
+    if not spec and (checkpoint / "quantize_config.json").is_file():
+        spec = {"quant_method": "gptq", **json.loads((checkpoint / "quantize_config.json").read_text())}
+    if spec:
+        return spec
+    if any(name.endswith(".qweight") for name in _names(checkpoint)):
+        raise ValueError(f"{checkpoint} holds quantized layers (.qweight) but no quantization_config in config.json "
+                         "(nor quantize_config.json) says how they were quantized; add the one its publisher "
+                         "documents")
+    return None
+
+
+def _check(spec: dict, method: str, bits: int, group: int) -> None:
+    """ValueError naming what the checkpoint's quantization_config asks for that is not read here:
+    every option that changes what the integers mean is either handled or refused by name."""
     if method not in METHODS:
         raise ValueError(f"quantization_config.quant_method {method!r} is not supported; GPTQ and AWQ checkpoints "
                          "are (or export the float checkpoint with --quantize int8|int4)")
@@ -120,17 +151,15 @@ def read(checkpoint: Path) -> PreQuantized | None:
                          "power of two of at least 16 along K (or -1, one group per column)")
     if method == "awq" and str(spec.get("version", "gemm")).lower() != "gemm":
         raise ValueError(f"AWQ version {spec.get('version')!r} is not supported; the GEMM layout is")
-    if method == "awq" and spec.get("zero_point", True) is False:
-        raise ValueError("AWQ without zero points (zero_point false) is not supported; AWQ with zero points is")
-    tensors = _tensors(checkpoint)
-    unpack = _gptq if method == "gptq" else _awq
-    layers = {name[: -len(".qweight")]: unpack(tensors, name[: -len(".qweight")], bits, group, spec)
-              for name in tensors if name.endswith(".qweight")}
-    if not layers:
-        raise ValueError(f"{checkpoint} names {method} quantization but holds no .qweight tensors")
-    if group == -1:
-        return PreQuantized(method, bits, *_in_blocks(layers), per_column=True)
-    return PreQuantized(method, bits, group, layers)
+    if method == "gptq" and spec.get("checkpoint_format", "gptq") not in GPTQ_FORMATS:
+        raise ValueError(f"GPTQ checkpoint_format {spec['checkpoint_format']!r} is not supported; "
+                         f"{' and '.join(GPTQ_FORMATS)} are")
+    if str(spec.get("pack_dtype", "int32")).removeprefix("torch.") != "int32":
+        raise ValueError(f"pack_dtype {spec['pack_dtype']!r} is not supported; integers packed in int32 are")
+    for option, why in (("dynamic", "bits or group sizes that differ per layer"),
+                        ("rotation", "a rotation the activations need before the quantized matrix multiply")):
+        if spec.get(option):
+            raise ValueError(f"quantization_config.{option} ({why}) is not supported")
 
 
 def _in_blocks(layers: dict[str, Packed]) -> tuple[int, dict[str, Packed]]:
@@ -183,18 +212,39 @@ def _quantized_part(name: str, pre: PreQuantized) -> bool:
     return module in pre.layers and part in ("qweight", "qzeros", "scales", "g_idx")
 
 
-def _tensors(checkpoint: Path) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
-
+def _files(checkpoint: Path) -> list[Path]:
     files = sorted(checkpoint.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{checkpoint} has no .safetensors weights")
-    return {name: value for path in files for name, value in load_file(path).items()}
+    return files
+
+
+def _names(checkpoint: Path) -> list[str]:
+    """The tensors' names, from the files' headers alone (no weights read)."""
+    from safetensors import safe_open
+
+    names = []
+    for path in sorted(checkpoint.glob("*.safetensors")):
+        with safe_open(path, framework="pt") as file:
+            names += list(file.keys())
+    return names
+
+
+def _tensors(checkpoint: Path) -> dict[str, np.ndarray]:
+    """Every tensor as numpy; bfloat16 ones (scales, norms of a bfloat16 model) widened to float32,
+    exactly (numpy has no bfloat16)."""
+    import torch
+    from safetensors.torch import load_file
+
+    return {name: (value.float() if value.dtype == torch.bfloat16 else value).numpy()
+            for path in _files(checkpoint) for name, value in load_file(path).items()}
 
 
 def _unpack(packed: np.ndarray, bits: int, axis: int, order: tuple[int, ...] | None = None) -> np.ndarray:
     """int32 values holding 32 / bits codes each, low bits first, spread along `axis` (0: rows,
     1: columns; `order`: the column each position holds)."""
+    if packed.dtype != np.int32:
+        raise ValueError(f"packed integers of {packed.dtype} are not supported; int32 words (pack_dtype int32) are")
     per, mask = 32 // bits, (1 << bits) - 1
     words = packed.view(np.uint32)
     codes = (words[..., None] >> (np.arange(per, dtype=np.uint32) * bits)) & mask  # [R, C, per]
@@ -208,12 +258,9 @@ def _unpack(packed: np.ndarray, bits: int, axis: int, order: tuple[int, ...] | N
 
 def _gptq(tensors: dict, name: str, bits: int, group: int, spec: dict) -> Packed:
     codes = _unpack(tensors[f"{name}.qweight"], bits, axis=0)
-    zeros = _unpack(tensors[f"{name}.qzeros"], bits, axis=1)
-    if spec.get("checkpoint_format", "gptq") != "gptq_v2":
-        zeros = zeros + np.uint8(1)  # GPTQ v1 stores each zero point minus one
-        if zeros.max() >= 1 << bits:
-            raise ValueError(f"{name}: a GPTQ v1 zero point of {1 << bits} (stored {(1 << bits) - 1}) does not fit "
-                             f"{bits} bits in MatMulNBits")
+    stored = tensors[f"{name}.qzeros"]
+    zeros = _unpack(stored, bits, axis=1) if spec.get("checkpoint_format", "gptq") == "gptq_v2" else \
+        _v1_zeros(stored, bits, spec)
     contiguous = _in_order(codes.shape[0], group)
     groups = np.asarray(tensors.get(f"{name}.g_idx", contiguous), np.int64)
     if not np.array_equal(np.sort(groups), contiguous):
@@ -222,8 +269,22 @@ def _gptq(tensors: dict, name: str, bits: int, group: int, spec: dict) -> Packed
     return Packed(codes, zeros, tensors[f"{name}.scales"].astype(np.float32), groups)
 
 
+def _v1_zeros(stored: np.ndarray, bits: int, spec: dict) -> np.ndarray:
+    """GPTQ v1 zero points, stored minus one. The two writers differ only for a zero point of 0
+    (stored -1): GPTQModel subtracts one from every field of a word at once, borrowing from the
+    next field, and reads them back by the inverse addition (its meta.quantizer names it);
+    AutoGPTQ packs each field on its own, and its kernels read each back as (stored + 1) mod 2^bits."""
+    if "gptqmodel" in json.dumps(spec.get("meta") or {}).lower():
+        ones = sum(1 << shift for shift in range(0, 32, bits))  # 0x11111111 for 4 bits, 0x01010101 for 8
+        return _unpack((stored.view(np.uint32) + np.uint32(ones)).view(np.int32), bits, axis=1)
+    return (_unpack(stored, bits, axis=1) + np.uint8(1)) & np.uint8((1 << bits) - 1)
+
+
 def _awq(tensors: dict, name: str, bits: int, group: int, spec: dict) -> Packed:
     codes = _unpack(tensors[f"{name}.qweight"], bits, axis=1, order=AWQ_ORDER)
+    if f"{name}.qzeros" not in tensors:
+        raise ValueError(f"{name}: AWQ without stored zero points (zero_point false) is not supported; AWQ with "
+                         "qzeros is")
     zeros = _unpack(tensors[f"{name}.qzeros"], bits, axis=1, order=AWQ_ORDER)
     return Packed(codes, zeros, tensors[f"{name}.scales"].astype(np.float32), _in_order(codes.shape[0], group))
 

@@ -9,6 +9,7 @@ scale.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -166,6 +167,106 @@ def test_a_quantized_layers_bias_is_kept_and_a_zero_one_the_model_lacks_is_dropp
 
 
 PUBLISHED_EXPORTS = [("gptq-act-order", "float32"), ("awq", "float16")]
+
+
+def republished(checkpoint: Path, quantization: dict | None = None, edit=None) -> Path:
+    """The checkpoint with its quantization_config updated by `quantization` (None values removed;
+    a None `quantization`: removed) and `edit(tensors)` applied to its tensors, saved again."""
+    from safetensors.numpy import load_file, save_file
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    if quantization is None:
+        del config["quantization_config"]
+    else:
+        merged = config["quantization_config"] | quantization
+        config["quantization_config"] = {key: value for key, value in merged.items() if value is not None}
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    if edit:
+        tensors = load_file(checkpoint / "model.safetensors")
+        edit(tensors)
+        save_file(tensors, str(checkpoint / "model.safetensors"))
+    return checkpoint
+
+
+def test_a_v1_zero_point_of_zero_reads_as_its_writer_stored_it(tmp_path, model_dir):
+    """Stored minus one, a zero point of 0 is -1: GPTQModel subtracts one from a whole word,
+    borrowing from the next field (and reads it back by the inverse addition); AutoGPTQ packs the
+    field on its own and its kernels read it as (stored + 1) mod 16. Both read back exactly, in
+    MatMulNBits' range, rather than refused."""
+    checkpoint, weights = published(tmp_path, model_dir, "gptq", layers=1)
+    name = "model.layers.0.mlp.down_proj"
+    zeros = np.random.default_rng(3).integers(0, 16, (128 // GROUP, 64))
+    zeros[:, ::8] = 0  # the lowest field of every word: a borrow reaches each word's second field
+    words = pack_words(zeros).view(np.uint32)
+
+    def stored_by(writer: str):
+        def edit(tensors: dict) -> None:
+            tensors[f"{name}.qzeros"] = ((words - np.uint32(0x11111111)) if writer == "gptqmodel" else
+                                         pack_words((zeros - 1) % 16).view(np.uint32)).view(np.int32)
+        return edit
+
+    for writer, meta in (("gptqmodel", {"quantizer": ["gptqmodel:5.0.0"]}), ("autogptq", None)):
+        pre = read(republished(checkpoint, {"meta": meta}, stored_by(writer)))
+        assert np.array_equal(pre.layers[name].zeros, zeros), writer
+    assert not np.array_equal(pre.layers[name].weight(), weights[name]), "the zero points changed the weights"
+
+
+@pytest.mark.parametrize(("quantization", "says"), [
+    ({"checkpoint_format": "gptq_p"}, "checkpoint_format 'gptq_p' is not supported; gptq and gptq_v2 are"),
+    ({"pack_dtype": "int16"}, "pack_dtype 'int16' is not supported"),
+    ({"rotation": "hadamard"}, "quantization_config.rotation (a rotation the activations need"),
+    ({"dynamic": {r".*down_proj": {"bits": 8}}}, "quantization_config.dynamic (bits or group sizes that differ"),
+    ({"bits": 3}, "gptq with 3 bits is not supported; 4 or 8 are"),
+], ids=["checkpoint_format", "pack_dtype", "rotation", "dynamic", "bits"])
+def test_a_quantization_option_that_changes_what_the_integers_mean_is_refused_by_name(tmp_path, model_dir,
+                                                                                     quantization, says):
+    checkpoint, _ = published(tmp_path, model_dir, "gptq", layers=1)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        read(republished(checkpoint, quantization))
+
+
+def test_older_and_bfloat16_uploads_read_and_unlabelled_integers_are_refused(tmp_path, model_dir):
+    """An older AutoGPTQ upload names its quantization in quantize_config.json; a bfloat16 model's
+    scales are bfloat16 (widened exactly); words packed in int16 are refused, whatever the config
+    says; and quantized tensors no config describes are refused rather than read as a float
+    checkpoint (whose missing weights transformers would fill with random values)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    checkpoint, weights = published(tmp_path, model_dir, "gptq", layers=1)
+    spec = json.loads((checkpoint / "config.json").read_text())["quantization_config"]
+    (checkpoint / "quantize_config.json").write_text(json.dumps({k: v for k, v in spec.items() if k != "quant_method"}))
+    republished(checkpoint, None)
+    tensors = load_file(checkpoint / "model.safetensors")
+    save_file({name: value.to(torch.bfloat16) if name.endswith(".scales") else value
+               for name, value in tensors.items()}, checkpoint / "model.safetensors")
+    pre = read(checkpoint)
+    assert pre.scheme == "gptq-int4" and pre.group_size == GROUP
+    for name in weights:  # the bfloat16 scales exactly (float32 holds every bfloat16)
+        scales = tensors[f"{name}.scales"].to(torch.bfloat16).float().numpy()
+        assert np.array_equal(pre.layers[name].scales, scales), name
+    name = "model.layers.0.self_attn.q_proj.qweight"
+    save_file({**tensors, name: tensors[name].view(torch.int16)}, checkpoint / "model.safetensors")
+    with pytest.raises(ValueError, match="packed integers of int16 are not supported"):
+        read(checkpoint)
+    (checkpoint / "quantize_config.json").unlink()
+    with pytest.raises(ValueError, match=r"holds quantized layers \(\.qweight\) but no quantization_config"):
+        read(checkpoint)
+
+
+def test_a_float_checkpoint_that_lacks_weights_is_refused(tmp_path):
+    """transformers fills a missing weight with random values; the export would verify against them."""
+    from safetensors.numpy import load_file, save_file
+
+    from batchstring.export.exporter import load_checkpoint
+    from tests.test_export import make_tiny_checkpoint
+
+    checkpoint = make_tiny_checkpoint(tmp_path / "tiny")
+    tensors = load_file(checkpoint / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, str(checkpoint / "model.safetensors"))
+    with pytest.raises(SystemExit, match=r"lacks 1 of the model's weights \(model\.layers\.1\.mlp\.down_proj\."):
+        load_checkpoint(checkpoint)
 
 
 def published_recipe(method: str, dtype: str):

@@ -159,6 +159,8 @@ def run_perplexity(args: argparse.Namespace) -> int:
 
 
 def _utf8(path: Path) -> str:
+    """The text, or a ValueError that says where it is not UTF-8 (a text in another encoding is
+    the likely mistake, and the position finds it)."""
     data = path.read_bytes()
     try:
         return data.decode("utf-8")

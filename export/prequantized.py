@@ -109,14 +109,17 @@ def read(checkpoint: Path) -> PreQuantized | None:
     spec = _spec(checkpoint)
     if not spec:
         return None
-    method, bits, group = spec["quant_method"], int(spec.get("bits", 0)), int(spec.get("group_size", 0))
+    method, bits, group = spec.get("quant_method"), int(spec.get("bits", 0)), int(spec.get("group_size", 0))
     _check(spec, method, bits, group)
     tensors = _tensors(checkpoint)
-    unpack = _gptq if method == "gptq" else _awq
-    layers = {name[: -len(".qweight")]: unpack(tensors, name[: -len(".qweight")], bits, group, spec)
-              for name in tensors if name.endswith(".qweight")}
-    if not layers:
+    names = [name.removesuffix(".qweight") for name in tensors if name.endswith(".qweight")]
+    if not names:
         raise ValueError(f"{checkpoint} names {method} quantization but holds no .qweight tensors")
+    if any(".experts." in name for name in names):
+        raise ValueError(f"published {method} mixtures of experts are not supported (the step stacks each layer's "
+                         "experts); export the float checkpoint with --quantize int8|int4")
+    unpack = _gptq if method == "gptq" else _awq
+    layers = {name: unpack(tensors, name, bits, group, spec) for name in names}
     if group == -1:
         return PreQuantized(method, bits, *_in_blocks(layers), per_column=True)
     return PreQuantized(method, bits, group, layers)
@@ -186,7 +189,7 @@ def load_dequantized(checkpoint: Path, pre: PreQuantized, dtype: str = "float32"
     from batchstring.export.step import check_supported
 
     config = AutoConfig.from_pretrained(checkpoint)
-    del config.quantization_config
+    config.__dict__.pop("quantization_config", None)  # absent where quantize_config.json named it
     check_supported(config)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
     state = {name: torch.from_numpy(np.asarray(value, np.float32) if value.dtype == np.float16 else value)
@@ -213,6 +216,11 @@ def _quantized_part(name: str, pre: PreQuantized) -> bool:
 
 
 def _files(checkpoint: Path) -> list[Path]:
+    """The weights' files: the shards its index lists (a repository may hold other copies beside
+    them, as Mistral's consolidated.safetensors), else every .safetensors file."""
+    index = checkpoint / "model.safetensors.index.json"
+    if index.is_file():
+        return [checkpoint / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
     files = sorted(checkpoint.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{checkpoint} has no .safetensors weights")
@@ -224,7 +232,7 @@ def _names(checkpoint: Path) -> list[str]:
     from safetensors import safe_open
 
     names = []
-    for path in sorted(checkpoint.glob("*.safetensors")):
+    for path in sorted(checkpoint.glob("*.safetensors")):  # every file: quantized tensors anywhere are refused
         with safe_open(path, framework="pt") as file:
             names += list(file.keys())
     return names
@@ -256,9 +264,16 @@ def _unpack(packed: np.ndarray, bits: int, axis: int, order: tuple[int, ...] | N
     return codes.reshape(packed.shape[0], -1).astype(np.uint8)
 
 
+def _part(tensors: dict, name: str, part: str) -> np.ndarray:
+    """A quantized layer's tensor; ValueError naming it where the checkpoint lacks it (incomplete)."""
+    if f"{name}.{part}" not in tensors:
+        raise ValueError(f"{name} has a .qweight but no .{part}: the checkpoint is incomplete")
+    return tensors[f"{name}.{part}"]
+
+
 def _gptq(tensors: dict, name: str, bits: int, group: int, spec: dict) -> Packed:
-    codes = _unpack(tensors[f"{name}.qweight"], bits, axis=0)
-    stored = tensors[f"{name}.qzeros"]
+    codes = _unpack(_part(tensors, name, "qweight"), bits, axis=0)
+    stored = _part(tensors, name, "qzeros")
     zeros = _unpack(stored, bits, axis=1) if spec.get("checkpoint_format", "gptq") == "gptq_v2" else \
         _v1_zeros(stored, bits, spec)
     contiguous = _in_order(codes.shape[0], group)
@@ -266,27 +281,31 @@ def _gptq(tensors: dict, name: str, bits: int, group: int, spec: dict) -> Packed
     if not np.array_equal(np.sort(groups), contiguous):
         raise ValueError(f"{name}: g_idx does not give each group {group} rows (group_size), so its groups cannot "
                          "become MatMulNBits blocks")
-    return Packed(codes, zeros, tensors[f"{name}.scales"].astype(np.float32), groups)
+    return Packed(codes, zeros, _part(tensors, name, "scales").astype(np.float32), groups)
 
 
 def _v1_zeros(stored: np.ndarray, bits: int, spec: dict) -> np.ndarray:
-    """GPTQ v1 zero points, stored minus one. The two writers differ only for a zero point of 0
-    (stored -1): GPTQModel subtracts one from every field of a word at once, borrowing from the
-    next field, and reads them back by the inverse addition (its meta.quantizer names it);
-    AutoGPTQ packs each field on its own, and its kernels read each back as (stored + 1) mod 2^bits."""
+    """GPTQ v1 zero points, stored minus one. A zero point of 0 is stored as -1, which the writers
+    pack differently: GPTQModel subtracts one from every field of a word at once, borrowing from
+    the next field, and its readers undo it by the inverse addition (done here where its
+    meta.quantizer names it); AutoGPTQ ORs the sign-extended -1 into the word, overwriting every
+    field above it, whose values are then lost: refused (its kernels and GPTQModel's read such a
+    word differently)."""
     if "gptqmodel" in json.dumps(spec.get("meta") or {}).lower():
         ones = sum(1 << shift for shift in range(0, 32, bits))  # 0x11111111 for 4 bits, 0x01010101 for 8
         return _unpack((stored.view(np.uint32) + np.uint32(ones)).view(np.int32), bits, axis=1)
-    return (_unpack(stored, bits, axis=1) + np.uint8(1)) & np.uint8((1 << bits) - 1)
+    fields = _unpack(stored, bits, axis=1)
+    if (fields == (1 << bits) - 1).any():
+        raise ValueError(f"a GPTQ v1 zero point of 0 (stored as -1: {int((fields == (1 << bits) - 1).sum())} fields "
+                         "of all ones), which AutoGPTQ's packing spreads over the zero points above it in the same "
+                         "int32, so they cannot be read back; a checkpoint saved as gptq_v2 keeps them")
+    return fields + np.uint8(1)
 
 
 def _awq(tensors: dict, name: str, bits: int, group: int, spec: dict) -> Packed:
-    codes = _unpack(tensors[f"{name}.qweight"], bits, axis=1, order=AWQ_ORDER)
-    if f"{name}.qzeros" not in tensors:
-        raise ValueError(f"{name}: AWQ without stored zero points (zero_point false) is not supported; AWQ with "
-                         "qzeros is")
-    zeros = _unpack(tensors[f"{name}.qzeros"], bits, axis=1, order=AWQ_ORDER)
-    return Packed(codes, zeros, tensors[f"{name}.scales"].astype(np.float32), _in_order(codes.shape[0], group))
+    codes = _unpack(_part(tensors, name, "qweight"), bits, axis=1, order=AWQ_ORDER)
+    zeros = _unpack(_part(tensors, name, "qzeros"), bits, axis=1, order=AWQ_ORDER)
+    return Packed(codes, zeros, _part(tensors, name, "scales").astype(np.float32), _in_order(codes.shape[0], group))
 
 
 def _in_order(rows: int, group: int) -> np.ndarray:

@@ -40,6 +40,7 @@ def tiny_recipe(root: Path) -> list[str]:
 
 
 HUB_ID = "batchstring-tests/tiny-llama3"
+HUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
 def hub_cached(checkpoint: Path, hf_home: Path, repo_id: str) -> None:
@@ -47,10 +48,9 @@ def hub_cached(checkpoint: Path, hf_home: Path, repo_id: str) -> None:
     layout huggingface_hub documents (hub/models--OWNER--NAME/refs/main names the snapshot), as a
     download leaves it: HF_HUB_OFFLINE=1 then resolves the id there, as on a machine without network."""
     repo = hf_home / "hub" / f"models--{repo_id.replace('/', '--')}"
-    commit = "0123456789abcdef0123456789abcdef01234567"
     (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(commit)
-    shutil.copytree(checkpoint, repo / "snapshots" / commit)
+    (repo / "refs" / "main").write_text(HUB_COMMIT)
+    shutil.copytree(checkpoint, repo / "snapshots" / HUB_COMMIT)
 
 
 def llama3_style_recipe(root: Path) -> list[str]:
@@ -198,7 +198,8 @@ def test_a_bfloat16_export_records_its_dtype_the_checkpoints_eos_ids_and_samplin
     text = " ".join(stdout.split())
     assert not (out / "model.small.onnx").exists(), "a 16-bit export (for GPUs) has none, and leaves no stale one"
     spec = json.loads((out / "runtime.json").read_text())
-    assert spec["source"] == HUB_ID and f"load {HUB_ID} in bfloat16" in text, "read by its Hub id"
+    source = f"{HUB_ID}@{HUB_COMMIT}"  # the commit the id resolved to, so the export traces back to it
+    assert spec["source"] == source and f"load {source} in bfloat16" in text, "read by its Hub id"
     assert spec["dtype"] == "bfloat16" and spec["eos_token_ids"] == [0, 5, 7]
     assert spec["sampling_defaults"]["temperature"] == 0.6 and spec["sampling_defaults"]["top_p"] == 0.9
     assert "HF itself" in text and "at least 0.05" in text and "greedy identical for" in text
@@ -221,6 +222,24 @@ def test_a_hub_id_that_cannot_be_downloaded_or_a_revision_of_a_directory_is_refu
     with pytest.raises(ValueError, match="--revision picks a version of a Hugging Face Hub id"):
         resolve(DEFAULT_MODEL_DIR, revision="main")
     assert resolve(DEFAULT_MODEL_DIR).path == DEFAULT_MODEL_DIR.resolve()
+    assert resolve("./batchstring-tests/not-cached").path == Path("batchstring-tests/not-cached").resolve(), \
+        "a path that names a directory is never sent to the Hub"
+
+
+def test_a_hub_download_takes_only_the_files_an_export_reads():
+    """The patterns snapshot_download is given, applied by huggingface_hub's own filter to a
+    repository's files: the root's configs, shards and tokenizer; not other formats, subfolders'
+    models or Mistral's second copy of the weights."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    from batchstring.export.source import CHECKPOINT_FILES, SKIPPED_FILES
+
+    wanted = ["config.json", "generation_config.json", "model-00001-of-00002.safetensors",
+              "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]
+    others = ["pytorch_model.bin", "model.gguf", "onnx/model.safetensors", "consolidated.safetensors",
+              "original/params.json", "README.md"]
+    assert list(filter_repo_objects(wanted + others, allow_patterns=CHECKPOINT_FILES,
+                                    ignore_patterns=SKIPPED_FILES)) == wanted
 
 
 def _op_types(graph) -> set[str]:

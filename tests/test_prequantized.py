@@ -121,7 +121,7 @@ def test_the_published_integers_unpack_and_repack_to_the_same_weights_exactly(tm
     assert (pre.per_column, pre.group_size) == ((True, 64) if method == "gptq-per-column" else (False, GROUP))
     for name, weight in weights.items():
         assert np.array_equal(pre.layers[name].weight(), weight), name
-    name = "model.layers.1.mlp.down_proj"  # K 128: four blocks, zero points of two bytes per column
+    name = "model.layers.1.mlp.down_proj"  # K 128: four blocks of 32 (per column: two of 64)
     assert (pre.layers[name].order is not None) == (method == "gptq-act-order")
     rows, columns = weights[name].shape[1], weights[name].shape[0]
     expected = np.ascontiguousarray(weights[name].T).astype(dtype)
@@ -188,27 +188,29 @@ def republished(checkpoint: Path, quantization: dict | None = None, edit=None) -
     return checkpoint
 
 
-def test_a_v1_zero_point_of_zero_reads_as_its_writer_stored_it(tmp_path, model_dir):
-    """Stored minus one, a zero point of 0 is -1: GPTQModel subtracts one from a whole word,
-    borrowing from the next field (and reads it back by the inverse addition); AutoGPTQ packs the
-    field on its own and its kernels read it as (stored + 1) mod 16. Both read back exactly, in
-    MatMulNBits' range, rather than refused."""
-    checkpoint, weights = published(tmp_path, model_dir, "gptq", layers=1)
+def test_a_v1_zero_point_of_zero_reads_back_from_gptqmodel_and_is_refused_where_autogptq_lost_its_word(
+        tmp_path, model_dir):
+    """Stored minus one, a zero point of 0 is -1. GPTQModel subtracts one from a whole word,
+    borrowing from the next field, and reads it back by the inverse addition: exact. AutoGPTQ ORs
+    the sign-extended -1 into the word, overwriting the fields above it: refused, saying why."""
+    checkpoint, _ = published(tmp_path, model_dir, "gptq", layers=1)
     name = "model.layers.0.mlp.down_proj"
     zeros = np.random.default_rng(3).integers(0, 16, (128 // GROUP, 64))
     zeros[:, ::8] = 0  # the lowest field of every word: a borrow reaches each word's second field
-    words = pack_words(zeros).view(np.uint32)
+    borrowed = (pack_words(zeros).view(np.uint32) - np.uint32(0x11111111)).view(np.int32)
+    sign_extended = np.zeros((zeros.shape[0], 64 // 8), np.uint32)
+    for j in range(8):  # AutoGPTQ's pack: (zeros - 1).astype(uint32), each field shifted and ORed in
+        sign_extended |= (zeros[:, j::8] - 1).astype(np.int64).astype(np.uint32) << np.uint32(4 * j)
 
-    def stored_by(writer: str):
+    def stored(words: np.ndarray):
         def edit(tensors: dict) -> None:
-            tensors[f"{name}.qzeros"] = ((words - np.uint32(0x11111111)) if writer == "gptqmodel" else
-                                         pack_words((zeros - 1) % 16).view(np.uint32)).view(np.int32)
+            tensors[f"{name}.qzeros"] = words.view(np.int32)
         return edit
 
-    for writer, meta in (("gptqmodel", {"quantizer": ["gptqmodel:5.0.0"]}), ("autogptq", None)):
-        pre = read(republished(checkpoint, {"meta": meta}, stored_by(writer)))
-        assert np.array_equal(pre.layers[name].zeros, zeros), writer
-    assert not np.array_equal(pre.layers[name].weight(), weights[name]), "the zero points changed the weights"
+    pre = read(republished(checkpoint, {"meta": {"quantizer": ["gptqmodel:5.0.0"]}}, stored(borrowed)))
+    assert np.array_equal(pre.layers[name].zeros, zeros)
+    with pytest.raises(ValueError, match=r"a GPTQ v1 zero point of 0 \(stored as -1: \d+ fields of all ones\)"):
+        read(republished(checkpoint, {"meta": None}, stored(sign_extended)))
 
 
 @pytest.mark.parametrize(("quantization", "says"), [
@@ -217,12 +219,25 @@ def test_a_v1_zero_point_of_zero_reads_as_its_writer_stored_it(tmp_path, model_d
     ({"rotation": "hadamard"}, "quantization_config.rotation (a rotation the activations need"),
     ({"dynamic": {r".*down_proj": {"bits": 8}}}, "quantization_config.dynamic (bits or group sizes that differ"),
     ({"bits": 3}, "gptq with 3 bits is not supported; 4 or 8 are"),
-], ids=["checkpoint_format", "pack_dtype", "rotation", "dynamic", "bits"])
+    ({"quant_method": None}, "quantization_config.quant_method None is not supported"),
+], ids=["checkpoint_format", "pack_dtype", "rotation", "dynamic", "bits", "no quant_method"])
 def test_a_quantization_option_that_changes_what_the_integers_mean_is_refused_by_name(tmp_path, model_dir,
                                                                                      quantization, says):
     checkpoint, _ = published(tmp_path, model_dir, "gptq", layers=1)
     with pytest.raises(ValueError, match=re.escape(says)):
         read(republished(checkpoint, quantization))
+
+
+def test_a_published_mixture_of_experts_is_refused_by_name(tmp_path, model_dir):
+    """The step stacks a layer's experts, so per-expert integers have no weight to become."""
+    checkpoint, _ = published(tmp_path, model_dir, "gptq", layers=1)
+
+    def as_expert(tensors: dict) -> None:
+        for name in [n for n in tensors if ".mlp.up_proj." in n]:
+            tensors[name.replace(".mlp.up_proj.", ".mlp.experts.0.up_proj.")] = tensors.pop(name)
+
+    with pytest.raises(ValueError, match="published gptq mixtures of experts are not supported"):
+        read(republished(checkpoint, {}, as_expert))
 
 
 def test_older_and_bfloat16_uploads_read_and_unlabelled_integers_are_refused(tmp_path, model_dir):
@@ -233,6 +248,8 @@ def test_older_and_bfloat16_uploads_read_and_unlabelled_integers_are_refused(tmp
     import torch
     from safetensors.torch import load_file, save_file
 
+    from batchstring.export.prequantized import load_dequantized
+
     checkpoint, weights = published(tmp_path, model_dir, "gptq", layers=1)
     spec = json.loads((checkpoint / "config.json").read_text())["quantization_config"]
     (checkpoint / "quantize_config.json").write_text(json.dumps({k: v for k, v in spec.items() if k != "quant_method"}))
@@ -242,9 +259,15 @@ def test_older_and_bfloat16_uploads_read_and_unlabelled_integers_are_refused(tmp
                for name, value in tensors.items()}, checkpoint / "model.safetensors")
     pre = read(checkpoint)
     assert pre.scheme == "gptq-int4" and pre.group_size == GROUP
+    model = load_dequantized(checkpoint, pre)
     for name in weights:  # the bfloat16 scales exactly (float32 holds every bfloat16)
         scales = tensors[f"{name}.scales"].to(torch.bfloat16).float().numpy()
         assert np.array_equal(pre.layers[name].scales, scales), name
+        assert torch.equal(model.get_submodule(name).weight, torch.from_numpy(pre.layers[name].weight()))
+    name = "model.layers.0.mlp.up_proj.qzeros"
+    save_file({key: value for key, value in tensors.items() if key != name}, checkpoint / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.up_proj has a \.qweight but no \.qzeros"):
+        read(checkpoint)
     name = "model.layers.0.self_attn.q_proj.qweight"
     save_file({**tensors, name: tensors[name].view(torch.int16)}, checkpoint / "model.safetensors")
     with pytest.raises(ValueError, match="packed integers of int16 are not supported"):

@@ -176,7 +176,7 @@ def _in_blocks(layers: dict[str, Packed]) -> tuple[int, dict[str, Packed]]:
                          f"of 16 (MatMulNBits' smallest block); their common divisor is {rows}")
     return block, {name: Packed(packed.codes, *(np.repeat(part, packed.codes.shape[0] // block, axis=0)
                                                 for part in (packed.zeros, packed.scales)),
-                                np.arange(packed.codes.shape[0]) // block)
+                                _in_order(packed.codes.shape[0], block))
                    for name, packed in layers.items()}
 
 
